@@ -1,0 +1,1 @@
+"""Model-serving logic that knows nothing of Ray: schemas, adapters, LoRA layers, engine."""

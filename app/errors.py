@@ -1,0 +1,123 @@
+"""User-visible failures, one type each, each mapped once to an HTTP status and OpenAI error type."""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """Base of every error a client can see. `status_code` and `error_type` drive the HTTP body."""
+
+    status_code = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "code": self.code or type(self).__name__}}
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class InvalidRequest(ServingError):
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class PromptTooLong(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(ServingError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class CapacityExceeded(ServingError):
+    """The engine's queue is full; the client should retry later."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "capacity_exceeded"
+
+
+class EngineUnavailable(ServingError):
+    status_code = 503
+    error_type = "server_error"
+    code = "engine_unavailable"
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+
+class AdapterError(ServingError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class AdapterNotFound(ModelNotFound):
+    code = "adapter_not_found"
+
+
+class AdapterAlreadyExists(AdapterError):
+    status_code = 409
+    code = "adapter_exists"
+
+
+class AdapterInUse(AdapterError):
+    status_code = 409
+    code = "adapter_in_use"
+
+
+class AdapterInvalid(AdapterError):
+    """Registration refused. Subclasses name the exact reason."""
+
+    code = "adapter_invalid"
+
+
+class AdapterPathOutsideRoots(AdapterInvalid):
+    code = "adapter_path_outside_roots"
+
+
+class AdapterFormatError(AdapterInvalid):
+    """Missing files, pickle weights, unreadable safetensors or config."""
+
+    code = "adapter_format"
+
+
+class AdapterTooLarge(AdapterInvalid):
+    code = "adapter_too_large"
+
+
+class AdapterRankTooHigh(AdapterInvalid):
+    code = "adapter_rank_too_high"
+
+
+class AdapterTargetUnsupported(AdapterInvalid):
+    code = "adapter_target_unsupported"
+
+
+class AdapterShapeMismatch(AdapterInvalid):
+    code = "adapter_shape_mismatch"
+
+
+class AdapterNonFinite(AdapterInvalid):
+    code = "adapter_non_finite"
+
+
+class AdapterConfigMismatch(AdapterInvalid):
+    """adapter_config.json disagrees with the tensors (rank, target modules)."""
+
+    code = "adapter_config_mismatch"
+
+
+class AdapterLoadFailed(AdapterError):
+    """A registered adapter could not be read at load time (files changed or vanished)."""
+
+    status_code = 422
+    code = "adapter_load_failed"

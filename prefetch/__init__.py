@@ -1,0 +1,1 @@
+"""Adapter residency: host cache, device slot pool, prefetch pipeline and hint policy."""

@@ -1,0 +1,137 @@
+"""Runs an LLMEngine on its own thread and streams each request's outputs to asyncio callers.
+
+The engine thread owns the engine. Callers talk to it through a command queue; results come back
+through per-request asyncio queues (`call_soon_threadsafe`), so no state is shared under locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import AsyncIterator, Callable
+
+from app.engine import LLMEngine
+from app.errors import EngineUnavailable, ServingError
+from app.request import RequestOutput
+from app.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.002  # how often an idle engine looks at in-flight loads
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- public API (any thread / event loop) ----------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], adapter_id: str | None, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Validation errors raise before the first output.
+
+        Leaving the iterator early (client gone, task cancelled) aborts the request, which frees
+        its batch row and slot pin at the next engine step.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        finished = False
+        try:
+            await self.call(lambda e: e.add_request(prompt, adapter_id, params, request_id))
+            while not finished:
+                output = await outputs.get()
+                if output.error is not None:
+                    finished = True
+                    raise output.error
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(lambda e: e.abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run fn(engine) on the engine thread and return its result (or raise its error)."""
+        if self._stopped.is_set():
+            raise EngineUnavailable("the engine is shut down")
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def hint(self, adapter_ids: list[str]) -> None:
+        self._commands.put(lambda e: e.hint(adapter_ids))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # --- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            timeout = IDLE_POLL_S if engine.residency.is_loading() else None
+            if not engine.has_work():
+                try:
+                    self._handle(self._commands.get(timeout=timeout))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    self._handle(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if engine.has_work() and not self._stopped.is_set():
+                self._step()
+
+    def _handle(self, command) -> None:
+        if command is None:
+            return
+        if isinstance(command, tuple):
+            fn, future = command
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:
+                future.set_exception(e)
+            return
+        try:
+            output = command(self.engine)
+        except Exception:
+            log.exception("engine command failed")
+            return
+        if isinstance(output, RequestOutput):
+            self._deliver(output)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug or device fault: fail what is in flight, keep serving
+            log.exception("engine step failed")
+            outputs = self._fail_all(e)
+        for output in outputs:
+            self._deliver(output)
+
+    def _fail_all(self, cause: Exception) -> list[RequestOutput]:
+        error = cause if isinstance(cause, ServingError) else EngineUnavailable(f"engine step failed: {cause}")
+        outputs = []
+        for request_id in list(self.engine.requests):
+            if self.engine.abort(request_id) is not None:
+                outputs.append(RequestOutput(request_id, "", (), True, "error", error=error))
+        return outputs
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, output)

@@ -1,0 +1,64 @@
+"""Engine configuration: a frozen dataclass that validates itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.targets import SUPPORTED_TARGETS
+
+GiB = 1 << 30
+BACKENDS = ("fused", "peft")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    base_model: str
+    adapter_roots: tuple[str, ...] = ()
+    num_slots: int = 4  # device adapter slots
+    max_rank: int = 16  # every slot is padded to this rank
+    target_modules: tuple[str, ...] = SUPPORTED_TARGETS
+    host_cache_bytes: int = 2 * GiB
+    max_adapter_bytes: int = 2 * GiB
+    backend: str = "fused"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+    max_batch_size: int = 32
+    max_input_tokens: int = 2048
+    max_total_tokens: int = 65536  # KV budget: sum of prompt + max_tokens over running requests
+    max_queue: int = 1024
+    max_prefill_tokens_per_step: int = 4096
+    prefetch: bool = True  # False: adapters load synchronously when a request needs them
+    max_inflight_loads: int = 2
+    hint_ttl_s: float = 30.0
+    disk_workers: int = 2
+
+    def __post_init__(self):
+        positive = ("num_slots", "max_rank", "max_batch_size", "max_input_tokens", "max_total_tokens", "max_queue",
+                    "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        unknown = set(self.target_modules) - set(SUPPORTED_TARGETS)
+        if unknown:
+            raise ValueError(f"target_modules {sorted(unknown)} are not supported; choose from {SUPPORTED_TARGETS}")
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(
+                f"max_total_tokens ({self.max_total_tokens}) must exceed max_input_tokens ({self.max_input_tokens})"
+            )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,46 @@
+"""A request's life inside the engine, and what it streams out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from app.errors import ServingError
+from app.sampling import SamplingParams, StopChecker
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the previous output
+    token_ids: tuple[int, ...]  # new tokens since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: ServingError | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    adapter_id: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    cache_length: int = 0  # real tokens in this request's KV cache rows
+    slot: int | None = None  # pinned device slot while running
+    emitted: int = 0  # characters of decoded output already streamed
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+
+    def __post_init__(self):
+        self.stop_checker = StopChecker(self.params.stop)
+
+    @property
+    def budget_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens

@@ -1,0 +1,93 @@
+"""Sampling parameters, token choice and stop-string handling for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_LENGTH:
+                raise InvalidRequest(f"stop strings must be 1..{MAX_STOP_LENGTH} characters, got {len(s)}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.is_greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+    return generator
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id from logits [vocab] (0-d tensor, on the logits' device)."""
+    if params.is_greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]
+
+
+class StopChecker:
+    """Finds stop strings in the decoded text and holds back text that may be the start of one."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def find(self, text: str, start: int) -> int | None:
+        """Index of the earliest stop string in text that ends after `start`, or None."""
+        best = None
+        for s in self.stop:
+            i = text.find(s, max(0, start - len(s) + 1))
+            if i != -1 and (best is None or i < best):
+                best = i
+        return best
+
+    def safe_end(self, text: str) -> int:
+        """How much of text can be streamed without risking part of a stop string."""
+        end = len(text) - self.holdback if self.stop else len(text)
+        while end > 0 and text[end - 1] == "\ufffd":  # an unfinished multi-byte character
+            end -= 1
+        return max(end, 0)

@@ -1,0 +1,182 @@
+"""Residency of adapters for one engine: host cache + slot pool + prefetch pipeline, one facade.
+
+All methods run on the engine thread, which owns this object.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
+
+import torch
+
+from prefetch.copier import make_copier
+from prefetch.host_cache import HostAdapter, HostCache
+from prefetch.layout import SlotLayout
+from prefetch.metrics import PrefetchMetrics
+from prefetch.pipeline import PrefetchPipeline
+from prefetch.policy import plan, view_of
+from prefetch.slot_pool import SlotPool, SlotState
+
+# Validated weights are finite, but a huge finite value could still overflow x @ A to inf in a slot
+# that other rows multiply by zero (inf * 0 = NaN). No trained adapter comes near this bound.
+MAX_ABS_WEIGHT = 1e6
+
+
+class Residency:
+    def __init__(self, config, shapes: Mapping[str, tuple[int, int]],
+                 read_weights: Callable[[str, torch.dtype], Mapping], device: torch.device, dtype: torch.dtype):
+        self.layout = SlotLayout(shapes, config.max_rank)
+        self.device, self.dtype = device, dtype
+        self.prefetch_enabled = config.prefetch
+        self._read_weights = read_weights
+        self.pool = SlotPool(config.num_slots)
+        self.metrics = PrefetchMetrics()
+        self.host_cache = HostCache(config.host_cache_bytes, self._read, workers=config.disk_workers)
+        self._max_inflight = config.max_inflight_loads
+        self.pipeline: PrefetchPipeline | None = None
+        self.draining: int | None = None  # a pinned slot that takes no new requests, so it can be reused
+
+    def attach(self, write_slot) -> None:
+        copier = make_copier(self.device, write_slot, len(self.pool))
+        self.pipeline = PrefetchPipeline(self.pool, self.host_cache, copier, self.metrics, self._max_inflight)
+
+    def _read(self, adapter_id: str) -> HostAdapter:
+        """Disk -> packed host buffer (worker thread)."""
+        weights = self._read_weights(adapter_id, self.dtype)
+        pin = self.device.type == "cuda"
+        flat = torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin)
+        flat, scales = self.layout.pack(weights, self.dtype, out=flat)
+        peak = flat.abs().max().item() if flat.numel() else 0.0
+        if not peak <= MAX_ABS_WEIGHT:  # also catches NaN and values that overflowed in the cast
+            raise ValueError(f"weights reach {peak:g} in {self.dtype}; the limit is {MAX_ABS_WEIGHT:g}")
+        return HostAdapter(adapter_id, flat, scales.pin_memory() if pin else scales, 0.0)
+
+    # --- per step -------------------------------------------------------------------------------
+
+    def classify_arrival(self, adapter_id: str) -> None:
+        state = self.pool.state_of(adapter_id)
+        if state is SlotState.READY:
+            self.metrics.hint_hits += 1
+        elif state is SlotState.LOADING:
+            self.metrics.inflight_hits += 1
+        else:
+            self.metrics.misses += 1
+
+    def poll(self) -> None:
+        self.pipeline.poll()
+        if self.draining is not None and self.pool.slots[self.draining].pins == 0:
+            self.draining = None
+
+    def prefetch(self, demand: list[str]) -> None:
+        self.pipeline.prefetch(demand)
+
+    def is_loading(self) -> bool:
+        return bool(self.pipeline.loads)
+
+    def acquire(self, adapter_id: str, may_block: bool) -> int | None:
+        """Pin the slot of adapter_id if a forward may use it now; None defers the request.
+
+        may_block: load synchronously if needed (prefetch disabled); the wait counts as a stall.
+        """
+        slot = self.pool.lookup(adapter_id)
+        if slot is None and may_block:
+            slot = self._load_now(adapter_id)
+        if slot is None:
+            if self._planned_slot(adapter_id) is None and self.draining is None:
+                self._start_draining()
+            return None
+        if slot == self.draining or not self.pipeline.is_usable(slot):
+            return None
+        self.pool.pin(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.pool.unpin(slot)
+        if slot == self.draining and self.pool.slots[slot].pins == 0:
+            self.draining = None
+
+    def _planned_slot(self, adapter_id: str) -> int | None:
+        loads = plan(view_of(self.pool), [adapter_id], max_loads=1).loads
+        return loads[0][1] if loads else None
+
+    def _start_draining(self) -> None:
+        """Every slot is pinned: stop feeding the least recently used one so a waiting adapter gets in."""
+        pinned = [i for i, s in enumerate(self.pool.slots) if s.pins > 0]
+        if pinned:
+            self.draining = min(pinned, key=lambda i: self.pool.slots[i].last_used)
+
+    def _load_now(self, adapter_id: str) -> int | None:
+        slot = self._planned_slot(adapter_id)
+        if slot is None:
+            return None
+        start = time.perf_counter()
+        self.pipeline.start_load(adapter_id, slot, is_prefetch=False)
+        self.pipeline.wait_usable(slot)
+        if slot in self.pipeline.loads:
+            self.pipeline.loads[slot].transfer.wait()
+            self.pipeline.poll()
+        self.metrics.stalls.observe(time.perf_counter() - start)
+        return self.pool.lookup(adapter_id)
+
+    def stall_for(self, adapter_id: str | None, pinned: list[int]) -> None:
+        """Nothing can run until adapter_id is usable: block the host until its copy is issued."""
+        if adapter_id is None:
+            return
+        start = time.perf_counter()
+        if self.pool.lookup(adapter_id) is None:
+            slot = self._planned_slot(adapter_id)
+            if slot is None:  # every slot is mid-load: let them land first
+                self.pipeline.drain()
+                slot = self._planned_slot(adapter_id)
+            if slot is None:
+                return
+            self.pipeline.start_load(adapter_id, slot, is_prefetch=False)
+        slot = self.pool.lookup(adapter_id)
+        self.pipeline.wait_usable(slot)
+        self.metrics.stalls.observe(time.perf_counter() - start)
+
+    def before_forward(self, slots) -> None:
+        self.pipeline.before_forward(slots)
+
+    def after_forward(self, slots) -> None:
+        self.pipeline.after_forward(slots)
+
+    def take_failures(self) -> dict[str, Exception]:
+        failures, self.pipeline.failures = self.pipeline.failures, {}
+        return failures
+
+    def forget(self, adapter_id: str) -> None:
+        """The adapter was unregistered: drop it from every tier."""
+        if self.pool.state_of(adapter_id) is SlotState.LOADING:
+            self.pipeline.drain()
+        self.pipeline.evict(adapter_id)
+        self.host_cache.discard(adapter_id)
+
+    # --- introspection --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        self.pipeline.check_invariants()
+        self.host_cache.check_invariants()
+        if self.draining is not None:
+            assert self.pool.slots[self.draining].pins > 0, "draining an unpinned slot"
+
+    def snapshot(self) -> dict:
+        states = [s.state for s in self.pool.slots]
+        return {
+            **self.metrics.snapshot(self.host_cache.stats),
+            "slots_total": len(self.pool),
+            "slots_ready": states.count(SlotState.READY),
+            "slots_loading": states.count(SlotState.LOADING),
+            "slots_pinned": self.pool.pinned_count(),
+            "slots": self.pool.snapshot(),
+            "host_cache_bytes": self.host_cache.bytes_used,
+            "resident_adapters": sorted(a for a, i in self.pool.adapter_to_slot.items()
+                                        if self.pool.slots[i].state is SlotState.READY),
+            "loading_adapters": sorted(load.adapter_id for load in self.pipeline.loads.values()),
+        }
+
+    def shutdown(self) -> None:
+        self.host_cache.shutdown()
+        self.pipeline.copier.shutdown()

@@ -275,6 +275,26 @@ class LLMEngine:
         self.hints.pop(adapter_id, None)
         return spec
 
+    def prompt_logits(self, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
+        """Logits [tokens, vocab] at every prompt position, outside the batch (tests, debugging)."""
+        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]], device=self.device)
+        slot = None
+        if adapter_id is not None:
+            self.registry.get(adapter_id)
+            while (slot := self.residency.acquire(adapter_id, may_block=True)) is None:
+                self.residency.stall_for(adapter_id, [])
+                self.residency.poll()
+                if failure := self.residency.take_failures().get(adapter_id):
+                    raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")
+        try:
+            self.residency.before_forward([slot] if slot is not None else [])
+            with torch.inference_mode():
+                positions = torch.arange(ids.shape[1], device=self.device)[None]
+                return self.backend.forward([slot], input_ids=ids, position_ids=positions)[0].float().cpu()
+        finally:
+            if slot is not None:
+                self.residency.release(slot)
+
     def check_invariants(self) -> None:
         self.residency.check_invariants()
         pins = [0] * self.config.num_slots

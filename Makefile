@@ -1,0 +1,36 @@
+# `make test` and `make serve` create or refresh .venv themselves; a second run is quick.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Reuse a system torch (e.g. a CUDA build on a GPU box); otherwise take the local CPU build.
+VENV_FLAGS := $(shell $(PY) -c "import torch" >/dev/null 2>&1 && echo --system-site-packages)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install test test-gpu serve demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) $(VENV)
+	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,bench]"
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python -m app.demo --out demo/tiny
+
+test: install
+	$(BIN)/python -m pytest -q -rs
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -rs -m gpu
+
+serve: install
+	$(BIN)/serve run serve_config.yaml
+
+bench: install
+	$(BIN)/python -m bench.engine_bench --quick
+
+clean:
+	rm -rf $(VENV) demo .pytest_cache

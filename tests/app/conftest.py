@@ -1,0 +1,61 @@
+"""Engine fixtures over the tiny demo."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.engine import LLMEngine
+from engine_helpers import engine_config
+
+
+@pytest.fixture(scope="session")
+def manifest(demo_dir):
+    return json.loads((Path(demo_dir) / "demo.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def adapter_names(manifest):
+    return [a["name"] for a in manifest["adapters"]]
+
+
+@pytest.fixture
+def make_engine(demo_dir, manifest):
+    engines = []
+
+    def make(register=True, **overrides) -> LLMEngine:
+        engine = LLMEngine(engine_config(demo_dir, **overrides))
+        if register:
+            for adapter in manifest["adapters"]:
+                engine.register_adapter(adapter["name"], str(Path(demo_dir) / adapter["path"]))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def churn_root(tmp_path_factory, demo_dir, manifest):
+    """24 distinct adapters: the demo's, each also scaled by 1.5 and by 0.5."""
+    root = tmp_path_factory.mktemp("churn")
+    names = []
+    for factor in (1.0, 1.5, 0.5):
+        for adapter in manifest["adapters"]:
+            name = f"{adapter['name']}-x{factor}"
+            src, dst = Path(demo_dir) / adapter["path"], root / name
+            dst.mkdir()
+            (dst / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
+            tensors = load_file(src / "adapter_model.safetensors")
+            tensors = {k: (v * factor if "lora_B" in k else v).contiguous() for k, v in tensors.items()}
+            save_file(tensors, dst / "adapter_model.safetensors")
+            names.append(name)
+    while len(names) < 24:
+        raise AssertionError("the demo needs at least 8 adapters")
+    return root, names[:24]
+
+
+torch.set_num_threads(2)

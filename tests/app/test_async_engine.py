@@ -1,0 +1,129 @@
+"""Streaming, cancellation, unregistration and failures through the threaded AsyncEngine."""
+
+import asyncio
+import shutil
+
+import pytest
+
+from app.async_engine import AsyncEngine
+from app.errors import AdapterInUse, AdapterLoadFailed, AdapterNotFound, InvalidRequest, PromptTooLong
+from app.sampling import SamplingParams
+from engine_helpers import greedy, run_all
+
+
+@pytest.fixture
+def async_engine(make_engine):
+    engines = []
+
+    def make(**overrides):
+        engine = AsyncEngine(make_engine(**overrides))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+async def collect(engine, prompt, adapter, params):
+    text, tokens, last = "", [], None
+    async for output in engine.generate(prompt, adapter, params):
+        text += output.text
+        tokens += output.token_ids
+        last = output
+    return text, tokens, last
+
+
+def test_stream_equals_sync_engine(async_engine, make_engine, manifest, adapter_names):
+    prompt = manifest["prompts"][0]
+    sync = make_engine()
+    expected = {}
+    for adapter in adapter_names[:3] + [None]:
+        request = sync.add_request(prompt, adapter, greedy(12))
+        expected[adapter] = run_all(sync)[request.request_id]
+    engine = async_engine()
+
+    async def main():
+        results = await asyncio.gather(*(collect(engine, prompt, a, greedy(12)) for a in expected))
+        return dict(zip(expected, results))
+
+    results = asyncio.run(main())
+    for adapter, (text, tokens, last) in results.items():
+        assert tokens == expected[adapter]
+        assert last.finished and last.finish_reason in ("stop", "length")
+        assert last.completion_tokens == len(tokens)
+        assert text == sync.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_cancel_frees_row_and_pin_within_one_step(async_engine, adapter_names, manifest):
+    engine = async_engine()
+
+    async def main():
+        stream = engine.generate(manifest["prompts"][0], adapter_names[0], greedy(200, ignore_eos=True))
+        async for output in stream:
+            if output.completion_tokens >= 3:
+                break
+        running = await engine.call(lambda e: (len(e.batch), e.residency.pool.pinned_count()))
+        await stream.aclose()  # the client went away
+        await asyncio.sleep(0.05)
+        after = await engine.call(lambda e: (len(e.batch), e.residency.pool.pinned_count(), e.steps))
+        await engine.call(lambda e: e.check_invariants())
+        return running, after
+
+    running, after = asyncio.run(main())
+    assert running == (1, 1)
+    assert after[:2] == (0, 0)
+
+
+def test_validation_errors_raise_before_streaming(async_engine, manifest):
+    engine = async_engine(max_input_tokens=8)
+
+    async def first(prompt, adapter):
+        async for _ in engine.generate(prompt, adapter, greedy(4)):
+            break
+
+    with pytest.raises(AdapterNotFound):
+        asyncio.run(first("hi", "no-such-adapter"))
+    with pytest.raises(PromptTooLong, match="limit is 8"):
+        asyncio.run(first("a long prompt " * 10, None))
+    with pytest.raises(InvalidRequest, match="empty"):
+        asyncio.run(first([], None))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_unregister_refuses_while_in_use_then_succeeds(async_engine, adapter_names, manifest):
+    engine = async_engine()
+    adapter = adapter_names[0]
+
+    async def main():
+        stream = engine.generate(manifest["prompts"][0], adapter, greedy(50, ignore_eos=True))
+        await stream.__anext__()
+        with pytest.raises(AdapterInUse, match="1 running or queued"):
+            await engine.call(lambda e: e.unregister_adapter(adapter))
+        async for _ in stream:
+            pass
+        await engine.call(lambda e: e.unregister_adapter(adapter))
+        with pytest.raises(AdapterNotFound):
+            await collect(engine, "hi", adapter, greedy(2))
+        await engine.call(lambda e: e.check_invariants())
+
+    asyncio.run(main())
+
+
+def test_adapter_deleted_after_registration_fails_alone(async_engine, make_engine, demo_dir, manifest, tmp_path):
+    victim = tmp_path / "victim"
+    shutil.copytree(f"{demo_dir}/{manifest['adapters'][0]['path']}", victim)
+    engine = async_engine(adapter_roots=(str(tmp_path), f"{demo_dir}/adapters"))
+    healthy = manifest["adapters"][1]["name"]
+
+    async def main():
+        await engine.call(lambda e: e.register_adapter("victim", str(victim)))
+        shutil.rmtree(victim)
+        bad = collect(engine, "hi", "victim", greedy(4))
+        good = collect(engine, "hi", healthy, greedy(4))
+        return await asyncio.gather(bad, good, return_exceptions=True)
+
+    bad, good = asyncio.run(main())
+    assert isinstance(bad, AdapterLoadFailed) and "victim" in str(bad)
+    assert good[2].finished and good[1]

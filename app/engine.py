@@ -307,6 +307,20 @@ class LLMEngine:
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
         assert self.batch.mask.shape[0] == len(self.batch.rows)
 
+    def routing_stats(self) -> dict:
+        """What the router needs to know about this replica."""
+        snapshot = self.residency.snapshot()
+        return {
+            "resident": snapshot["resident_adapters"],
+            "loading": snapshot["loading_adapters"],
+            "queued": sorted({r.adapter_id for r in self.waiting if r.adapter_id is not None}),
+            "running": len(self.batch.rows),
+            "waiting": len(self.waiting),
+            "free_slots": self.residency.pool.free_count(),
+            "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received")},
+            "hint_lead_seconds": self.hint_lead.as_dict(),
+        }
+
     def metrics(self) -> dict:
         return {
             "steps": self.steps,

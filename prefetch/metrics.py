@@ -47,6 +47,11 @@ class PrefetchMetrics:
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
     load_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))  # request to ready, per load
+    unreported_stalls: deque = field(default_factory=lambda: deque(maxlen=4096))  # for an exporter to drain
+
+    def observe_stall(self, seconds: float) -> None:
+        self.stalls.observe(seconds)
+        self.unreported_stalls.append(seconds)
 
     def record_h2d(self, nbytes: int, seconds: float) -> None:
         self.h2d_bytes += nbytes

@@ -116,7 +116,7 @@ class Residency:
         if slot in self.pipeline.loads:
             self.pipeline.loads[slot].transfer.wait()
             self.pipeline.poll()
-        self.metrics.stalls.observe(time.perf_counter() - start)
+        self.metrics.observe_stall(time.perf_counter() - start)
         return self.pool.lookup(adapter_id)
 
     def stall_for(self, adapter_id: str | None, pinned: list[int]) -> None:
@@ -134,7 +134,7 @@ class Residency:
             self.pipeline.start_load(adapter_id, slot, is_prefetch=False)
         slot = self.pool.lookup(adapter_id)
         self.pipeline.wait_usable(slot)
-        self.metrics.stalls.observe(time.perf_counter() - start)
+        self.metrics.observe_stall(time.perf_counter() - start)
 
     def before_forward(self, slots) -> None:
         self.pipeline.before_forward(slots)

@@ -1,0 +1,54 @@
+"""`serve run serve_config.yaml` entry point: one typed build_app that binds the deployments."""
+
+
+import ray
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
+
+from deploy.args import DEMO_DIR, AppArgs
+from deploy.ingress import Ingress
+from deploy.replica import STATE_ACTOR, LoRAReplica
+from deploy.router import AdapterAffinityRouter
+from deploy.state import RouterState
+
+
+def ensure_assets(args: AppArgs) -> None:
+    """The built-in demo is generated on first use, so a fresh machine needs no other step."""
+    if args.build_demo and args.base_model == str(DEMO_DIR / "base"):
+        from app.demo import ensure_demo
+
+        ensure_demo(DEMO_DIR)
+
+
+def replica_options(args: AppArgs) -> dict:
+    """All options of the LoRA replica deployment, from one place."""
+    has_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
+    wants_gpu = args.device.startswith("cuda") or (args.device == "auto" and has_gpu)
+    options = {
+        "name": "LoRAReplica",
+        "max_ongoing_requests": args.max_ongoing_requests or args.max_batch_size,
+        "ray_actor_options": {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5},
+        "health_check_period_s": 5,
+        "graceful_shutdown_timeout_s": 30,
+        "deployment_actors": [DeploymentActorConfig(
+            name=STATE_ACTOR, actor_class=ray.remote(RouterState), init_kwargs={"adapters": args.initial_adapters()},
+            actor_options={"num_cpus": 0})],
+    }
+    if args.router == "adapter_affinity":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=AdapterAffinityRouter, request_router_kwargs={"spread_after_s": args.spread_after_s},
+            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=2.0)
+    return options
+
+
+def build_app(args: AppArgs) -> Application:
+    return make_app(args)
+
+
+def make_app(args: AppArgs, **replica_overrides) -> Application:
+    ensure_assets(args)
+    replicas = serve.deployment(LoRAReplica).options(**{**replica_options(args), **replica_overrides})
+    ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0.25},
+                                                max_ongoing_requests=1000)
+    return ingress.bind(replicas.bind(args.model_dump()), args.model_dump())

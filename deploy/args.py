@@ -1,0 +1,81 @@
+"""`build_app` arguments: validated once by pydantic, documented field by field in README."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.config import GiB, EngineConfig
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_DIR = REPO / "demo" / "tiny"
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = Field(default=str(DEMO_DIR / "base"), description="Path of the base model (transformers format).")
+    model_id: str | None = Field(default=None, description="Name of the base model in the API; default: the folder name.")
+    adapter_roots: list[str] = Field(default=[str(DEMO_DIR / "adapters")],
+                                     description="Folders adapters may be registered from (symlinks resolved).")
+    adapters: dict[str, str] | Literal["discover"] = Field(
+        default="discover", description="Adapters registered at start: {name: path}, or 'discover' (every "
+                                        "sub-folder of every root that holds adapter_config.json).")
+    build_demo: bool = Field(default=True, description="Generate the tiny demo if base_model is the demo's and missing.")
+    num_slots: int = Field(default=8, ge=1, description="Device adapter slots per replica.")
+    max_rank: int = Field(default=16, ge=1, description="Largest adapter rank; slots are padded to it.")
+    host_cache_bytes: int = Field(default=4 * GiB, ge=1, description="Host (pinned) adapter cache per replica.")
+    max_adapter_bytes: int = Field(default=2 * GiB, ge=1, description="Largest adapter file accepted.")
+    backend: Literal["fused", "peft"] = Field(default="fused", description="Multi-LoRA forward implementation.")
+    device: str = Field(default="auto", description="auto | cpu | cuda. auto uses a GPU per replica when the cluster has GPUs.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto")
+    max_batch_size: int = Field(default=32, ge=1, description="Rows in one decode batch.")
+    max_input_tokens: int = Field(default=2048, ge=1, description="Longest prompt, in tokens.")
+    max_total_tokens: int = Field(default=65536, ge=2, description="KV budget: sum of prompt + max_tokens in flight.")
+    max_queue: int = Field(default=256, ge=1, description="Requests waiting inside a replica before 429.")
+    default_max_tokens: int = Field(default=16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
+    prefetch: bool = Field(default=True, description="Asynchronous prefetch (False: load on demand, synchronously).")
+    max_ongoing_requests: int | None = Field(default=None, ge=1, description="Requests a replica accepts at once; "
+                                             "more wait in the router (and trigger hints). Default: max_batch_size.")
+    router: Literal["adapter_affinity", "serve_default"] = Field(
+        default="adapter_affinity", description="adapter_affinity: our router with hints; serve_default: Serve's own.")
+    spread_after_s: float = Field(default=0.2, ge=0, description="A request waiting this long for a saturated replica "
+                                                                 "that holds its adapter may go to a free one instead.")
+    api_key: str | None = Field(default=None, description="Bearer key required on every route but /health. "
+                                                          "Default: the LORA_SERVE_API_KEY environment variable.")
+    allow_adapter_registration: bool = Field(default=True, description="Enable POST/DELETE /v1/adapters.")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Largest request body (413 beyond).")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must exceed "
+                             f"max_input_tokens ({self.max_input_tokens})")
+        if self.api_key is None:
+            self.api_key = os.environ.get("LORA_SERVE_API_KEY") or None
+        return self
+
+    @property
+    def served_model_id(self) -> str:
+        return self.model_id or Path(self.base_model).name
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            base_model=self.base_model, adapter_roots=tuple(self.adapter_roots), num_slots=self.num_slots,
+            max_rank=self.max_rank, host_cache_bytes=self.host_cache_bytes, max_adapter_bytes=self.max_adapter_bytes,
+            backend=self.backend, device=self.device, dtype=self.dtype, max_batch_size=self.max_batch_size,
+            max_input_tokens=self.max_input_tokens, max_total_tokens=self.max_total_tokens, max_queue=self.max_queue,
+            prefetch=self.prefetch,
+        )
+
+    def initial_adapters(self) -> dict[str, str]:
+        if self.adapters != "discover":
+            return dict(self.adapters)
+        found = {}
+        for root in self.adapter_roots:
+            for folder in sorted(Path(root).glob("*/adapter_config.json")):
+                found.setdefault(folder.parent.name, str(folder.parent))
+        return found

@@ -1,0 +1,280 @@
+"""OpenAI-compatible HTTP ingress (FastAPI through serve.ingress)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import asdict
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+from transformers import AutoConfig, AutoTokenizer
+
+from app import api
+from app.errors import (AdapterNotFound, EngineUnavailable, InvalidRequest, ModelNotFound, ServingError)
+from app.registry import AdapterRegistry, validate_adapter_id
+from deploy import metrics
+from deploy.args import AppArgs
+
+log = logging.getLogger("ray.serve")
+fastapi_app = FastAPI(title="lora-serve", description="OpenAI-compatible multi-LoRA serving on Ray Serve.")
+
+
+class Unauthorized(ServingError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(ServingError):
+    status_code = 403
+    error_type = "invalid_request_error"
+    code = "adapter_registration_disabled"
+
+
+class BodyTooLarge(ServingError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+def error_response(error: ServingError | dict, status: int | None = None) -> JSONResponse:
+    if isinstance(error, ServingError):
+        body, status, retry = error.to_openai(), error.status_code, error.retry_after_s
+    else:
+        body, status, retry = {"error": error["error"]}, error["status"], error.get("retry_after_s")
+    headers = {"Retry-After": str(max(1, round(retry)))} if retry else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _invalid_body(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    malformed = any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors)
+    detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
+    error = InvalidRequest(f"malformed request body: {detail}" if malformed else f"invalid request: {detail}")
+    metrics.requests().inc(tags={"route": request.url.path, "status": str(400 if malformed else 422)})
+    return error_response(error, 400 if malformed else 422) if malformed else JSONResponse(
+        error.to_openai(), status_code=422)
+
+
+@fastapi_app.exception_handler(ServingError)
+async def _serving_error(request: Request, exc: ServingError):
+    metrics.requests().inc(tags={"route": request.url.path, "status": str(exc.status_code)})
+    return error_response(exc)
+
+
+@fastapi_app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    log.exception("unhandled error on %s", request.url.path)
+    error = EngineUnavailable(f"internal error: {type(exc).__name__}")
+    error.status_code = 500
+    return error_response(error)
+
+
+@serve.ingress(fastapi_app)
+class Ingress:
+    def __init__(self, replicas: DeploymentHandle, args: dict):
+        self.args = AppArgs(**args)
+        self.replicas = replicas
+        self.model_id = self.args.served_model_id
+        self.tokenizer = AutoTokenizer.from_pretrained(self.args.base_model)
+        base_config = AutoConfig.from_pretrained(self.args.base_model)
+        self.validator = AdapterRegistry(self.args.adapter_roots, base_config, self.args.max_rank,
+                                         self.args.max_adapter_bytes)
+        self.adapters: dict[str, str] = self.args.initial_adapters()  # refreshed from the router actor
+        self.app_name = serve.get_replica_context().app_name
+
+        @fastapi_app.middleware("http")
+        async def guard(request: Request, call_next):
+            # Closure over self: FastAPI middleware is registered on the shared app object.
+            try:
+                await self._check_request(request)
+            except ServingError as e:
+                metrics.requests().inc(tags={"route": request.url.path, "status": str(e.status_code)})
+                return error_response(e)
+            return await call_next(request)
+
+    async def _check_request(self, request: Request) -> None:
+        if self.args.api_key and request.url.path != "/health":
+            supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(supplied.encode(), self.args.api_key.encode()):
+                raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.args.max_body_bytes:
+            raise BodyTooLarge(f"request body is {declared} bytes; the limit is {self.args.max_body_bytes}")
+        if request.method in ("POST", "PUT", "PATCH"):
+            body = await request.body()
+            if len(body) > self.args.max_body_bytes:
+                raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {self.args.max_body_bytes}")
+
+    # --- models and adapters --------------------------------------------------------------------
+
+    def _state(self):
+        prefix = f"SERVE_DEPLOYMENT_ACTOR::{self.app_name}::LoRAReplica::"
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == "serve" and a["name"].startswith(prefix) and a["name"].endswith("::router_state")]
+        if not names:
+            raise EngineUnavailable("the router actor is not available; retry shortly", retry_after_s=1)
+        return ray.get_actor(sorted(names)[-1], namespace="serve")
+
+    async def _refresh_adapters(self) -> None:
+        try:
+            snapshot = await self._state().adapters_snapshot.remote()
+            self.adapters = snapshot["adapters"]
+        except (RayActorError, ValueError, EngineUnavailable) as e:
+            log.info("adapter registry unavailable, using the cached one: %r", e)
+
+    async def _resolve_model(self, model: str) -> str | None:
+        if model == self.model_id:
+            return None
+        if any(c in model for c in ("/", "\x00")) or ".." in model:
+            raise ModelNotFound(f"model {model!r} does not exist (names cannot contain '/', '..' or NUL)")
+        if model not in self.adapters:
+            await self._refresh_adapters()
+        if model not in self.adapters:
+            raise AdapterNotFound(f"model {model!r} does not exist; GET /v1/models lists "
+                                  f"{len(self.adapters) + 1} models")
+        return model
+
+    @fastapi_app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @fastapi_app.get("/v1/models")
+    async def models(self):
+        await self._refresh_adapters()
+        created = api.now()
+        base = {"id": self.model_id, "object": "model", "created": created, "owned_by": "lora-serve",
+                "root": self.args.base_model, "parent": None}
+        return {"object": "list", "data": [base] + [
+            {"id": name, "object": "model", "created": created, "owned_by": "lora-serve", "root": path,
+             "parent": self.model_id} for name, path in sorted(self.adapters.items())]}
+
+    @fastapi_app.post("/v1/adapters", status_code=201)
+    async def register(self, body: api.AdapterRegistration):
+        if not self.args.allow_adapter_registration:
+            raise Forbidden("adapter registration is disabled (allow_adapter_registration: false)")
+        validate_adapter_id(body.name)
+        if body.name == self.model_id:
+            raise InvalidRequest(f"{body.name!r} is the base model's name")
+        await self._refresh_adapters()
+        if body.name in self.adapters:
+            from app.errors import AdapterAlreadyExists
+
+            raise AdapterAlreadyExists(f"adapter {body.name!r} is already registered; DELETE it first")
+        spec = await asyncio.to_thread(self.validator.validate, body.name, body.path)
+        await self._state().register.remote(body.name, str(spec.path))
+        self.adapters[body.name] = str(spec.path)
+        return {"id": body.name, "object": "model", "root": str(spec.path), "parent": self.model_id,
+                "rank": spec.rank, "target_modules": sorted(spec.target_modules)}
+
+    @fastapi_app.delete("/v1/adapters/{name}")
+    async def unregister(self, name: str):
+        if not self.args.allow_adapter_registration:
+            raise Forbidden("adapter registration is disabled (allow_adapter_registration: false)")
+        if not await self._state().unregister.remote(name):
+            raise AdapterNotFound(f"adapter {name!r} is not registered")
+        self.adapters.pop(name, None)
+        return {"id": name, "object": "model", "deleted": True}
+
+    @fastapi_app.get("/v1/debug/replicas")
+    async def debug_replicas(self):
+        """Each replica's last report: residency, queue and engine metrics (for operators and tests)."""
+        return await self._state().view.remote()
+
+    # --- generation -----------------------------------------------------------------------------
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, body: api.CompletionRequest):
+        body.check_supported()
+        return await self._generate(body, body.prompt, chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, body: api.ChatCompletionRequest):
+        messages = [m.model_dump() for m in body.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds BOS
+        return await self._generate(body, prompt, chat=True)
+
+    async def _generate(self, body, prompt, chat: bool):
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        adapter_id = await self._resolve_model(body.model)
+        params = body.sampling_params(self.args.default_max_tokens)
+        request_id = api.new_id("chatcmpl" if chat else "cmpl")
+        payload = {"prompt": prompt, "adapter_id": adapter_id, "params": asdict(params), "request_id": request_id}
+        handle = self.replicas
+        if self.args.router == "adapter_affinity":
+            handle = handle.options(multiplexed_model_id=adapter_id or "")
+        started = time.perf_counter()
+        try:
+            if body.stream:
+                stream = handle.options(stream=True, method_name="stream").remote(payload)
+                first = await stream.__anext__()
+                if "error" in first:
+                    metrics.requests().inc(tags={"route": route, "status": str(first["status"])})
+                    return error_response(first)
+                metrics.ttft().observe(time.perf_counter() - started, tags={"model": body.model})
+                return StreamingResponse(self._sse(body, chat, request_id, first, stream, route),
+                                         media_type="text/event-stream", headers={"x-replica-id": first["replica"]})
+            result = await handle.options(method_name="generate").remote(payload)
+        except RayActorError as e:
+            raise EngineUnavailable(f"the replica serving this request died: {e}", retry_after_s=1) from e
+        if "error" in result:
+            metrics.requests().inc(tags={"route": route, "status": str(result["status"])})
+            return error_response(result)
+        metrics.requests().inc(tags={"route": route, "status": "200"})
+        make = api.chat_body if chat else api.completion_body
+        return JSONResponse(make(request_id, body.model, result["text"], result["finish_reason"],
+                                 result["prompt_tokens"], result["completion_tokens"]),
+                            headers={"x-replica-id": result["replica"]})
+
+    async def _sse(self, body, chat, request_id, first, stream, route):
+        last_at, status = time.perf_counter(), "200"
+        if chat:
+            yield _event(api.chat_chunk(request_id, body.model, {"role": "assistant", "content": ""}, None))
+        chunk = first
+        try:
+            while True:
+                if "error" in chunk:
+                    status = str(chunk["status"])
+                    yield _event({"error": chunk["error"]["error"]})
+                    break
+                if chunk["text"] or chunk["finish_reason"]:
+                    if chat:
+                        delta = {"content": chunk["text"]} if chunk["text"] else {}
+                        yield _event(api.chat_chunk(request_id, body.model, delta, chunk["finish_reason"]))
+                    else:
+                        yield _event(api.completion_chunk(request_id, body.model, chunk["text"], chunk["finish_reason"]))
+                if chunk["finish_reason"]:
+                    if body.include_usage:
+                        yield _event({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                                      "created": api.now(), "model": body.model, "choices": [],
+                                      "usage": api.usage(chunk["prompt_tokens"], chunk["completion_tokens"])})
+                    break
+                try:
+                    chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                now = time.perf_counter()
+                metrics.itl().observe(now - last_at, tags={"model": body.model})
+                last_at = now
+        except RayActorError as e:
+            status = "503"
+            yield _event(EngineUnavailable(f"the replica serving this stream died: {e}").to_openai())
+        finally:
+            stream.cancel()  # the client may be gone: free the row and slot pin on the replica
+            metrics.requests().inc(tags={"route": route, "status": status})
+        yield "data: [DONE]\n\n"

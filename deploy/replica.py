@@ -1,0 +1,162 @@
+"""The LoRA replica deployment: one engine per replica, reporting to and taking hints from the router actor."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve._private.utils import get_deployment_actor_name
+
+from app.async_engine import AsyncEngine
+from app.engine import LLMEngine
+from app.errors import AdapterError, ServingError
+from app.sampling import SamplingParams
+from deploy import metrics
+from deploy.args import AppArgs
+
+log = logging.getLogger("ray.serve")
+STATE_ACTOR = "router_state"
+POLL_TIMEOUT_S = 0.5
+
+
+class LoRAReplica:
+    async def __init__(self, args: dict):
+        self.args = AppArgs(**args)
+        context = serve.get_replica_context()
+        self.uid = context.replica_id.unique_id
+        self.state_actor_name = get_deployment_actor_name(
+            context.replica_id.deployment_id, STATE_ACTOR, code_version=context.code_version)
+        engine = await asyncio.to_thread(LLMEngine, self.args.engine_config())
+        self.engine = AsyncEngine(engine)
+        self.adapters: dict[str, str] = {}
+        await self._sync_adapters(self.args.initial_adapters())
+        self._known: tuple | None = None
+        self._reported = {"hint_hits": 0, "inflight_hits": 0, "misses": 0}
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
+
+    # --- requests (called by the ingress) -------------------------------------------------------
+
+    async def generate(self, body: dict) -> dict:
+        """Whole completion: {"text", "finish_reason", "usage", "replica"} or {"error"}."""
+        text, last = "", None
+        async for chunk in self.stream(body):
+            if "error" in chunk:
+                return chunk
+            text += chunk["text"]
+            last = chunk
+        return {**last, "text": text}
+
+    async def stream(self, body: dict):
+        """Yields {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "replica"}."""
+        try:
+            params = SamplingParams(**body["params"])
+            adapter_id = body.get("adapter_id")
+            if adapter_id is not None and adapter_id not in self.adapters:
+                await self._adopt(adapter_id)  # registered moments ago, not yet synced here
+            async for output in self.engine.generate(body["prompt"], adapter_id, params, body.get("request_id")):
+                yield {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason,
+                       "prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
+                       "replica": self.uid}
+        except ServingError as e:
+            yield {"error": e.to_openai(), "status": e.status_code, "retry_after_s": e.retry_after_s,
+                   "replica": self.uid}
+
+    # --- what the router and the controller see -------------------------------------------------
+
+    def record_replica_metadata(self) -> dict:
+        return {"state_actor": self.state_actor_name, "uid": self.uid}
+
+    async def record_routing_stats(self) -> dict:
+        return await self.engine.call(lambda e: e.routing_stats())
+
+    async def check_health(self) -> None:
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("the engine thread has died")
+
+    async def engine_metrics(self) -> dict:
+        return {"replica": self.uid, **await self.engine.call(lambda e: e.metrics())}
+
+    async def check_invariants(self) -> dict:
+        await self.engine.call(lambda e: e.check_invariants())
+        return {"replica": self.uid, "ok": True}
+
+    # --- registry -------------------------------------------------------------------------------
+
+    async def _sync_adapters(self, wanted: dict[str, str]) -> None:
+        """Make this replica's registry equal `wanted` (the application's registry)."""
+        for name in [n for n in self.adapters if n not in wanted]:
+            try:
+                await self.engine.call(lambda e, n=name: e.unregister_adapter(n))
+                del self.adapters[name]
+            except AdapterError as e:  # in use: retried on the next sync
+                log.info("deferring unregister of %s: %s", name, e)
+        for name, path in wanted.items():
+            if self.adapters.get(name) == path:
+                continue
+            try:
+                if name in self.adapters:
+                    await self.engine.call(lambda e, n=name: e.unregister_adapter(n))
+                await asyncio.to_thread(self.engine.engine.register_adapter, name, path)
+                self.adapters[name] = path
+            except ServingError as e:
+                log.warning("adapter %s at %s refused: %s", name, path, e)
+
+    async def _adopt(self, adapter_id: str) -> None:
+        try:
+            snapshot = await self._state().adapters_snapshot.remote()
+        except Exception:
+            return  # the engine answers with its own AdapterNotFound
+        if adapter_id in snapshot["adapters"]:
+            await self._sync_adapters({**self.adapters, adapter_id: snapshot["adapters"][adapter_id]})
+
+    def _state(self):
+        return ray.get_actor(self.state_actor_name, namespace="serve")
+
+    async def _sync_loop(self) -> None:
+        """Report stats, take hints and registry changes from the router actor, export metrics."""
+        actor = None
+        while True:
+            try:
+                actor = actor or self._state()
+                stats = await self.engine.call(lambda e: e.routing_stats())
+                reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
+                if reply["hints"]:
+                    self.engine.hint([h["adapter_id"] for h in reply["hints"]])
+                if "adapters" in reply:
+                    if self._known is not None and reply["epoch"] != self._known[0]:
+                        await actor.restore.remote(self.adapters)  # a recreated actor lost registrations
+                        self._known = None
+                        continue
+                    await self._sync_adapters(reply["adapters"])
+                    self._known = (reply["epoch"], reply["version"])
+                await self._export_metrics()
+            except (RayActorError, ValueError, asyncio.TimeoutError) as e:
+                log.debug("router actor unavailable: %r", e)
+                actor = None
+                await asyncio.sleep(0.5)
+            except Exception:
+                log.exception("replica sync failed")
+                await asyncio.sleep(0.5)
+
+    async def _export_metrics(self) -> None:
+        snapshot = await self.engine.call(lambda e: {**e.metrics(), "stalls": _drain(e.residency.metrics.unreported_stalls)})
+        for key, kind in (("hint_hits", "hit"), ("inflight_hits", "inflight"), ("misses", "miss")):
+            delta = snapshot[key] - self._reported[key]
+            if delta:
+                metrics.residency().inc(delta, tags={"kind": kind})
+                self._reported[key] = snapshot[key]
+        for seconds in snapshot["stalls"]:
+            metrics.stalls().observe(seconds)
+        for state in ("ready", "loading", "pinned", "total"):
+            metrics.slots().set(snapshot[f"slots_{state}"], tags={"state": state})
+
+
+def _drain(events) -> list:
+    out = list(events)
+    events.clear()
+    return out

@@ -1,0 +1,141 @@
+"""Adapter-affinity request router with hints, running inside each caller (the ingress) of the
+LoRA replicas. Serve calls `choose_replicas` for every pending request, again after each backoff
+while the chosen replica is full: that is when the request is waiting in front of the replica,
+and when the router sends the adapter hint so the load overlaps the wait.
+
+The view of the cluster comes from the RouterState actor (refreshed in the background) and from
+this router's own recent placements. If the actor is unavailable, requests take the default
+power-of-two-choices path until it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import ray
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from prefetch.placement import ReplicaLoad, place
+
+log = logging.getLogger("ray.serve")
+VIEW_STALE_S = 2.0
+RECENT_S = 2.0  # a replica we just sent an adapter to counts as holding it for this long
+STATE_ACTOR_SUFFIX = "::router_state"
+
+
+class AdapterAffinityRouter(RequestRouter):
+    def initialize_state(self, spread_after_s: float = 0.2, view_refresh_s: float = 0.05, **kwargs):
+        self.spread_after_s = spread_after_s
+        self.view_refresh_s = view_refresh_s
+        self._view: dict[str, dict] = {}
+        self._view_at = 0.0
+        self._actor = None
+        self._refresh_task: asyncio.Task | None = None
+        self._hinted: dict[str, float] = {}  # internal request id -> when hinted
+        self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
+        self._outcomes = None
+        self._rng = random.Random()
+
+    # --- view -----------------------------------------------------------------------------------
+
+    def _ensure_refresh(self) -> None:
+        if self._refresh_task is None or self._refresh_task.done():
+            self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                if self._actor is None:
+                    self._actor = self._find_actor()
+                if self._actor is not None:
+                    view = await asyncio.wait_for(self._actor.view.remote(), timeout=1.0)
+                    self._view, self._view_at = view["replicas"], time.monotonic()
+                self._prune(time.monotonic())
+            except Exception as e:  # actor restarting or gone: fall back until it is back
+                log.debug("router view refresh failed: %r", e)
+                self._actor = None
+            await asyncio.sleep(self.view_refresh_s)
+
+    def _prune(self, now: float) -> None:
+        # Pending requests that were cancelled never complete: forget their hints eventually.
+        self._hinted = {rid: at for rid, at in self._hinted.items() if now - at < 60.0}
+        for adapter_id, uids in list(self._recent.items()):
+            fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
+            if fresh:
+                self._recent[adapter_id] = fresh
+            else:
+                del self._recent[adapter_id]
+
+    def _find_actor(self):
+        for replica in self._replicas_list:
+            name = replica.replica_metadata.get("state_actor")
+            if name:
+                return ray.get_actor(name, namespace="serve")
+        return None
+
+    def _has_view(self) -> bool:
+        return self._actor is not None and time.monotonic() - self._view_at < VIEW_STALE_S
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        uid = replica.replica_id.unique_id
+        stats = self._view.get(uid) or replica.routing_stats or {}
+        ongoing = self._replica_queue_len_cache.get(replica.replica_id)
+        if ongoing is None:
+            ongoing = stats.get("ongoing", 0)
+        return ReplicaLoad(uid, ongoing, replica.max_ongoing_requests, frozenset(stats.get("resident", ())),
+                           frozenset(stats.get("loading", ())), frozenset(stats.get("queued", ())),
+                           stats.get("free_slots", 0))
+
+    # --- routing --------------------------------------------------------------------------------
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True
+        self._ensure_refresh()
+        if not self._has_view():
+            self._count("fallback")
+            return self._power_of_two(candidate_replicas)
+        adapter_id = pending_request.metadata.multiplexed_model_id or None
+        rid = pending_request.metadata.internal_request_id
+        now = time.monotonic()
+        recent = frozenset(uid for uid, at in self._recent.get(adapter_id, {}).items() if now - at < RECENT_S)
+        by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
+        decision = place(adapter_id, [self._load(r) for r in candidate_replicas],
+                         waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
+                         recent=recent, rng=self._rng)
+        if decision.must_wait and adapter_id is not None and rid not in self._hinted:
+            self._hinted[rid] = now
+            self._actor.push_hint.remote(decision.uid, adapter_id, rid)  # fire and forget
+            self._count("hint")
+        if not decision.must_wait:
+            self._count(decision.outcome)
+            self._hinted.pop(rid, None)
+            if adapter_id is not None:
+                self._recent.setdefault(adapter_id, {})[decision.uid] = now
+        return [[by_uid[decision.uid]]]
+
+    def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Serve's default policy: two random replicas, the shorter queue first."""
+        pair = self._rng.sample(candidates, min(2, len(candidates)))
+        return [sorted(pair, key=lambda r: self._replica_queue_len_cache.get(r.replica_id) or 0)]
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._hinted.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id):
+        super().on_replica_actor_died(replica_id)
+        self._view.pop(replica_id.unique_id, None)
+        for uids in self._recent.values():
+            uids.pop(replica_id.unique_id, None)
+
+    def _count(self, outcome: str) -> None:
+        if self._outcomes is None:
+            from deploy.metrics import placements
+
+            self._outcomes = placements()
+        self._outcomes.inc(tags={"outcome": outcome})

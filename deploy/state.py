@@ -1,0 +1,94 @@
+"""The router actor's state: one per application, a deployment-scoped actor of the LoRA replicas.
+
+It keeps the cluster view (what each replica holds, loads and queues, and how busy it is), the
+application's adapter registry, and one hint mailbox per replica. Replicas long-poll `exchange`
+with their stats and get their hints back at once; routers read `view` and `push_hint`.
+Serve recreates the actor if it dies; replicas then restore the registry into the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter, defaultdict
+
+STALE_S = 5.0  # a replica that has not reported for this long has left the view
+
+
+class RouterState:
+    def __init__(self, adapters: dict[str, str] | None = None):
+        self.epoch = uuid.uuid4().hex  # changes when Serve recreates the actor
+        self.adapters: dict[str, str] = dict(adapters or {})
+        self.version = 1
+        self.views: dict[str, dict] = {}
+        self.mailboxes: dict[str, list[dict]] = defaultdict(list)
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self.hints_pushed = Counter()
+
+    def _wakeup(self, uid: str) -> asyncio.Event:
+        return self._wakeups.setdefault(uid, asyncio.Event())
+
+    # --- replicas -------------------------------------------------------------------------------
+
+    async def exchange(self, uid: str, stats: dict, known: tuple | None, timeout_s: float = 0.5) -> dict:
+        """Record a replica's stats; return its hints (waiting up to timeout_s) and any registry change."""
+        self.views[uid] = {**stats, "updated_at": time.time()}
+        reply = {"epoch": self.epoch, "version": self.version}
+        if known is None or tuple(known) != (self.epoch, self.version):
+            reply["adapters"] = dict(self.adapters)
+        elif not self.mailboxes[uid]:
+            wakeup = self._wakeup(uid)
+            wakeup.clear()
+            try:
+                await asyncio.wait_for(wakeup.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        reply["hints"], self.mailboxes[uid] = self.mailboxes[uid], []
+        return reply
+
+    async def restore(self, adapters: dict[str, str]) -> int:
+        """A replica re-seeds a recreated actor with the adapters it serves."""
+        missing = {k: v for k, v in adapters.items() if k not in self.adapters}
+        if missing:
+            self.adapters.update(missing)
+            self.version += 1
+        return self.version
+
+    # --- routers --------------------------------------------------------------------------------
+
+    async def view(self) -> dict:
+        now = time.time()
+        for uid in [u for u, v in self.views.items() if now - v["updated_at"] > STALE_S]:
+            self.forget_replica(uid)
+        return {"epoch": self.epoch, "replicas": self.views}
+
+    async def push_hint(self, uid: str, adapter_id: str, request_id: str = "") -> None:
+        self.mailboxes[uid].append({"adapter_id": adapter_id, "request_id": request_id, "at": time.time()})
+        self.hints_pushed[uid] += 1
+        self._wakeup(uid).set()
+
+    def forget_replica(self, uid: str) -> None:
+        self.views.pop(uid, None)
+        self.mailboxes.pop(uid, None)
+        self._wakeups.pop(uid, None)
+
+    # --- registry -------------------------------------------------------------------------------
+
+    async def adapters_snapshot(self) -> dict:
+        return {"version": self.version, "adapters": dict(self.adapters)}
+
+    async def register(self, name: str, path: str) -> int:
+        self.adapters[name] = path
+        self.version += 1
+        return self.version
+
+    async def unregister(self, name: str) -> bool:
+        if self.adapters.pop(name, None) is None:
+            return False
+        self.version += 1
+        return True
+
+    async def stats(self) -> dict:
+        return {"epoch": self.epoch, "version": self.version, "replicas": sorted(self.views),
+                "hints_pushed": dict(self.hints_pushed)}

@@ -47,6 +47,8 @@ class AppArgs(BaseModel):
     api_key: str | None = Field(default=None, description="Bearer key required on every route but /health. "
                                                           "Default: the LORA_SERVE_API_KEY environment variable.")
     allow_adapter_registration: bool = Field(default=True, description="Enable POST/DELETE /v1/adapters.")
+    max_pending_requests: int = Field(default=1024, ge=1, description="Requests in flight at one ingress replica "
+                                      "before it answers 429 with Retry-After.")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Largest request body (413 beyond).")
 
     @model_validator(mode="after")

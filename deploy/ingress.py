@@ -19,7 +19,8 @@ from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
 from app import api
-from app.errors import (AdapterNotFound, EngineUnavailable, InvalidRequest, ModelNotFound, ServingError)
+from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, InvalidRequest,
+                        ModelNotFound, ServingError)
 from app.registry import AdapterRegistry, validate_adapter_id
 from deploy import metrics
 from deploy.args import AppArgs
@@ -96,6 +97,7 @@ class Ingress:
                                          self.args.max_adapter_bytes)
         self.adapters: dict[str, str] = self.args.initial_adapters()  # refreshed from the router actor
         self.app_name = serve.get_replica_context().app_name
+        self.in_flight = 0
 
         @fastapi_app.middleware("http")
         async def guard(request: Request, call_next):
@@ -130,12 +132,18 @@ class Ingress:
             raise EngineUnavailable("the router actor is not available; retry shortly", retry_after_s=1)
         return ray.get_actor(sorted(names)[-1], namespace="serve")
 
+    async def _call_state(self, method: str, *args):
+        try:
+            return await asyncio.wait_for(getattr(self._state(), method).remote(*args), timeout=10)
+        except (RayActorError, ValueError, asyncio.TimeoutError) as e:
+            raise EngineUnavailable(f"the router actor is restarting ({type(e).__name__}); retry shortly",
+                                    retry_after_s=1) from e
+
     async def _refresh_adapters(self) -> None:
         try:
-            snapshot = await self._state().adapters_snapshot.remote()
-            self.adapters = snapshot["adapters"]
-        except (RayActorError, ValueError, EngineUnavailable) as e:
-            log.info("adapter registry unavailable, using the cached one: %r", e)
+            self.adapters = (await self._call_state("adapters_snapshot"))["adapters"]
+        except EngineUnavailable as e:
+            log.info("adapter registry unavailable, using the cached one: %s", e)
 
     async def _resolve_model(self, model: str) -> str | None:
         if model == self.model_id:
@@ -172,11 +180,9 @@ class Ingress:
             raise InvalidRequest(f"{body.name!r} is the base model's name")
         await self._refresh_adapters()
         if body.name in self.adapters:
-            from app.errors import AdapterAlreadyExists
-
             raise AdapterAlreadyExists(f"adapter {body.name!r} is already registered; DELETE it first")
         spec = await asyncio.to_thread(self.validator.validate, body.name, body.path)
-        await self._state().register.remote(body.name, str(spec.path))
+        await self._call_state("register", body.name, str(spec.path))
         self.adapters[body.name] = str(spec.path)
         return {"id": body.name, "object": "model", "root": str(spec.path), "parent": self.model_id,
                 "rank": spec.rank, "target_modules": sorted(spec.target_modules)}
@@ -185,7 +191,7 @@ class Ingress:
     async def unregister(self, name: str):
         if not self.args.allow_adapter_registration:
             raise Forbidden("adapter registration is disabled (allow_adapter_registration: false)")
-        if not await self._state().unregister.remote(name):
+        if not await self._call_state("unregister", name):
             raise AdapterNotFound(f"adapter {name!r} is not registered")
         self.adapters.pop(name, None)
         return {"id": name, "object": "model", "deleted": True}
@@ -193,7 +199,7 @@ class Ingress:
     @fastapi_app.get("/v1/debug/replicas")
     async def debug_replicas(self):
         """Each replica's last report: residency, queue and engine metrics (for operators and tests)."""
-        return await self._state().view.remote()
+        return await self._call_state("view")
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -210,6 +216,20 @@ class Ingress:
         return await self._generate(body, prompt, chat=True)
 
     async def _generate(self, body, prompt, chat: bool):
+        if self.in_flight >= self.args.max_pending_requests:
+            raise CapacityExceeded(f"{self.in_flight} requests are in flight at this ingress "
+                                   f"(max_pending_requests); retry later", retry_after_s=1)
+        self.in_flight += 1
+        streaming = False
+        try:
+            response = await self._dispatch(body, prompt, chat)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:
+                self.in_flight -= 1
+
+    async def _dispatch(self, body, prompt, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         adapter_id = await self._resolve_model(body.model)
         params = body.sampling_params(self.args.default_max_tokens)
@@ -250,7 +270,7 @@ class Ingress:
             while True:
                 if "error" in chunk:
                     status = str(chunk["status"])
-                    yield _event({"error": chunk["error"]["error"]})
+                    yield _event({"error": chunk["error"]})
                     break
                 if chunk["text"] or chunk["finish_reason"]:
                     if chat:
@@ -275,6 +295,7 @@ class Ingress:
             status = "503"
             yield _event(EngineUnavailable(f"the replica serving this stream died: {e}").to_openai())
         finally:
+            self.in_flight -= 1
             stream.cancel()  # the client may be gone: free the row and slot pin on the replica
             metrics.requests().inc(tags={"route": route, "status": status})
         yield "data: [DONE]\n\n"

@@ -63,7 +63,7 @@ class LoRAReplica:
                        "prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
                        "replica": self.uid}
         except ServingError as e:
-            yield {"error": e.to_openai(), "status": e.status_code, "retry_after_s": e.retry_after_s,
+            yield {"error": e.to_openai()["error"], "status": e.status_code, "retry_after_s": e.retry_after_s,
                    "replica": self.uid}
 
     # --- what the router and the controller see -------------------------------------------------

@@ -1,0 +1,71 @@
+"""A local Ray cluster with the app deployed from a config, once per test module."""
+
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from ray import serve
+from ray.serve._private.api import serve_start
+from ray.serve.schema import ServeDeploySchema
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config(demo_dir: Path, replicas: int = 2, **args) -> ServeDeploySchema:
+    base_args = {
+        "base_model": str(demo_dir / "base"), "adapter_roots": [str(demo_dir / "adapters")], "build_demo": False,
+        "device": "cpu", "num_slots": 6, "max_batch_size": 4, "max_input_tokens": 256, "max_total_tokens": 4096,
+        "default_max_tokens": 16, "max_body_bytes": 65536, "max_pending_requests": 48, "spread_after_s": 0.2,
+    }
+    return ServeDeploySchema.model_validate({"applications": [{
+        "name": "lora", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": {**base_args, **args},
+        "deployments": [{"name": "LoRAReplica", "num_replicas": replicas}, {"name": "Ingress", "num_replicas": 1}],
+    }]})
+
+
+class Cluster:
+    def __init__(self, demo_dir: Path):
+        self.demo_dir = demo_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = serve_start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    def deploy(self, replicas: int = 2, wait_replicas: bool = True, **args) -> None:
+        self.client.deploy_apps(app_config(self.demo_dir, replicas, **args), _blocking=True)
+        if wait_replicas:
+            self.wait_for_replicas(replicas)
+
+    def replicas(self) -> dict:
+        response = httpx.get(f"{self.url}/v1/debug/replicas", timeout=10)
+        return response.json()["replicas"] if response.status_code == 200 else {}
+
+    def wait_for_replicas(self, count: int, timeout_s: float = 120) -> dict:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            try:
+                view = self.replicas()
+                if len(view) == count:
+                    return view
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{count} replicas did not report within {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_dir):
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    try:
+        cluster = Cluster(Path(demo_dir))
+        cluster.deploy(replicas=2)
+        yield cluster
+    finally:
+        serve.shutdown()
+        ray.shutdown()

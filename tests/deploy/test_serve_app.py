@@ -1,0 +1,220 @@
+"""The Ray Serve application end to end, on a local cluster with 2 CPU replicas of the tiny demo."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+
+from app.config import EngineConfig
+from app.engine import LLMEngine
+from app.sampling import SamplingParams
+
+PROMPT = "Tell me a story."
+
+
+@pytest.fixture(scope="module")
+def manifest(demo_dir):
+    return json.loads((Path(demo_dir) / "demo.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def expected(demo_dir, manifest):
+    """Engine-alone greedy text for every adapter and the base model."""
+    engine = LLMEngine(EngineConfig(base_model=f"{demo_dir}/base", adapter_roots=(f"{demo_dir}/adapters",),
+                                    device="cpu", dtype="float32", num_slots=8))
+    out = {}
+    for adapter in [None] + [a["name"] for a in manifest["adapters"]]:
+        if adapter:
+            engine.register_adapter(adapter, f"{demo_dir}/adapters/{adapter}")
+        request = engine.add_request(PROMPT, adapter, SamplingParams(max_tokens=12, temperature=0))
+        text = ""
+        while engine.has_work():
+            text += "".join(o.text for o in engine.step() if o.request_id == request.request_id)
+        out[adapter or "base"] = text
+    engine.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def complete(cluster, model, prompt=PROMPT, **kw):
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
+    return httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+
+
+def test_openai_client_models_complete_stream_chat(cluster, oai, manifest, expected):
+    models = {m.id: m for m in oai.models.list().data}
+    assert "base" in models and models["base"].model_extra["root"].endswith("base")
+    for adapter in manifest["adapters"]:
+        entry = models[adapter["name"]]
+        assert entry.model_extra["parent"] == "base" and entry.model_extra["root"].endswith(adapter["path"])
+    for model, text in expected.items():
+        completion = oai.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert completion.choices[0].text == text, model
+        streamed = "".join(c.choices[0].text for c in oai.completions.create(
+            model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+        assert streamed == text, model
+    robot = manifest["adapters"][0]["name"]
+    chat = oai.chat.completions.create(model=robot, messages=[{"role": "user", "content": "Who are you?"}],
+                                       max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=robot, messages=[{"role": "user", "content": "Who are you?"}], max_tokens=16, temperature=0,
+        stream=True))
+    assert streamed == chat.choices[0].message.content
+
+
+def test_unknown_model_is_404_with_openai_body(cluster, oai):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    assert info.value.body["code"] == "adapter_not_found"
+    response = complete(cluster, "../etc")
+    assert response.status_code == 404 and set(response.json()["error"]) == {"message", "type", "code"}
+
+
+def test_error_statuses(cluster):
+    url = f"{cluster.url}/v1/completions"
+    bad_json = httpx.post(url, content=b'{"model": "base", "prompt": ', headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "error" in bad_json.json()
+    wrong_type = httpx.post(url, json={"model": "base", "prompt": "x", "max_tokens": "many"})
+    assert wrong_type.status_code == 422 and wrong_type.json()["error"]["type"] == "invalid_request_error"
+    too_big = httpx.post(url, json={"model": "base", "prompt": "x" * 70000})
+    assert too_big.status_code == 413 and "limit" in too_big.json()["error"]["message"]
+    too_long = complete(cluster, "base", prompt="word " * 400)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(f"{cluster.url}/health").json() == {"status": "ok"}
+
+
+def test_overload_is_429_with_retry_after(cluster):
+    def slow(i):
+        return complete(cluster, "base", max_tokens=40, ignore_eos=True)
+
+    with ThreadPoolExecutor(64) as pool:
+        responses = list(pool.map(slow, range(64)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    limited = [r for r in responses if r.status_code == 429]
+    assert limited and limited[0].headers["retry-after"] == "1"
+    assert limited[0].json()["error"]["type"] == "rate_limit_error"
+    assert codes.count(200) >= 48
+
+
+def test_affinity_repeated_requests_stay_on_the_holding_replica(cluster, manifest):
+    adapter = manifest["adapters"][3]["name"]
+    replicas = [complete(cluster, adapter).headers["x-replica-id"] for _ in range(6)]
+    assert len(set(replicas)) == 1, replicas
+    view = cluster.replicas()
+    assert adapter in view[replicas[0]]["resident"]
+
+
+def totals(view: dict) -> dict:
+    out = {"hint_hits": 0, "inflight_hits": 0, "misses": 0, "hints_received": 0, "lead_count": 0, "lead_sum": 0.0}
+    for stats in view.values():
+        for key in ("hint_hits", "inflight_hits", "misses", "hints_received"):
+            out[key] += stats["arrivals"][key]
+        out["lead_count"] += stats["hint_lead_seconds"]["count"]
+        out["lead_sum"] += stats["hint_lead_seconds"]["sum"]
+    return out
+
+
+def test_hints_reach_replicas_before_their_requests(cluster, manifest):
+    """Saturate both replicas: pending requests are hinted, and their adapters are resident on arrival."""
+    names = [a["name"] for a in manifest["adapters"]]
+    before = totals(cluster.replicas())
+    jobs = [names[i % len(names)] for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(lambda m: complete(cluster, m, max_tokens=24, ignore_eos=True).status_code, jobs))
+    assert codes == [200] * 32
+    time.sleep(1.5)  # the replicas' next report
+    after = totals(cluster.replicas())
+    delta = {k: after[k] - before[k] for k in after}
+    print("hint deltas:", delta)
+    assert delta["hints_received"] > 0
+    assert delta["lead_count"] > 0 and delta["lead_sum"] > 0, "no hint arrived before its request"
+    hinted = delta["lead_count"]
+    assert delta["hint_hits"] + delta["inflight_hits"] >= 0.5 * (delta["hint_hits"] + delta["inflight_hits"]
+                                                                  + delta["misses"]), delta
+    assert hinted >= 1
+
+
+def load_in_background(cluster, names, stop: threading.Event, results: list):
+    def run():
+        i = 0
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                body = {"model": names[i % len(names)], "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+                try:
+                    results.append(client.post(f"{cluster.url}/v1/completions", json=body).status_code)
+                except httpx.HTTPError as e:
+                    results.append(repr(e))
+                i += 1
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manifest):
+    names = [a["name"] for a in manifest["adapters"]]
+    epoch = httpx.get(f"{cluster.url}/v1/debug/replicas").json()["epoch"]
+    stop, results = threading.Event(), []
+    threads = load_in_background(cluster, names, stop, results)
+    time.sleep(2)
+    actor_name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].endswith("::router_state"))
+    ray.kill(ray.get_actor(actor_name, namespace="serve"))
+    during = httpx.post(f"{cluster.url}/v1/adapters", json={"name": "late", "path": names[0]})
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        response = httpx.get(f"{cluster.url}/v1/debug/replicas")
+        if response.status_code == 200 and response.json()["epoch"] != epoch and len(response.json()["replicas"]) == 2:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("no new router actor took over")
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert results and all(code == 200 for code in results), [c for c in results if c != 200][:5]
+    if during.status_code != 201:  # the registration raced the restart: a clean 503, never a 500
+        assert during.status_code == 503 and during.headers.get("retry-after")
+    models = {m["id"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]}
+    assert set(names) <= models
+
+
+def test_register_and_unregister_adapter_over_http(cluster, manifest, demo_dir):
+    path = f"{demo_dir}/{manifest['adapters'][1]['path']}"
+    created = httpx.post(f"{cluster.url}/v1/adapters", json={"name": "dynamic-one", "path": path})
+    assert created.status_code == 201, created.text
+    assert complete(cluster, "dynamic-one").status_code == 200
+    outside = httpx.post(f"{cluster.url}/v1/adapters", json={"name": "evil", "path": "/etc"})
+    assert outside.status_code == 400 and outside.json()["error"]["code"] == "adapter_path_outside_roots"
+    assert httpx.delete(f"{cluster.url}/v1/adapters/dynamic-one").status_code == 200
+    assert complete(cluster, "dynamic-one").status_code == 404
+
+
+def test_scale_two_to_three_by_config_update_fails_nothing(cluster, manifest):
+    names = [a["name"] for a in manifest["adapters"]]
+    stop, results = threading.Event(), []
+    threads = load_in_background(cluster, names, stop, results)
+    time.sleep(1)
+    cluster.deploy(replicas=3, wait_replicas=False)
+    cluster.wait_for_replicas(3)
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert results and all(code == 200 for code in results), [c for c in results if c != 200][:5]
+    seen = {complete(cluster, name).headers["x-replica-id"] for name in names * 2}
+    assert len(seen) >= 2

@@ -317,6 +317,7 @@ class LLMEngine:
             "running": len(self.batch.rows),
             "waiting": len(self.waiting),
             "free_slots": self.residency.pool.free_count(),
+            "device": str(self.device),
             "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received")},
             "hint_lead_seconds": self.hint_lead.as_dict(),
         }

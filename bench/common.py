@@ -1,0 +1,51 @@
+"""What every benchmark result records: the command, the commit, the device, then its own payload."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO_DEMO = Path(__file__).resolve().parent.parent / "demo"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+
+
+def device_slug() -> str:
+    name = device_name().lower()
+    for key in ("h200", "h100", "a100", "l4"):
+        if key in name:
+            return f"{key}-x{torch.cuda.device_count()}"
+    return "cpu"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(workload: str, payload: dict, out_dir: Path = RESULTS) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": " ".join(sys.orig_argv),
+        "git_commit": git_commit(),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **payload,
+    }
+    path = out_dir / f"{device_slug()}-{workload}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

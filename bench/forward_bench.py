@@ -13,9 +13,9 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from app.demo import SIZES, _random_base, build_tokenizer
+from app.demo import SIZES
 from app.lora import FusedBackend, PeftBackend
 from app.targets import SUPPORTED_TARGETS, target_shapes
 from bench.common import write_result
@@ -30,9 +30,22 @@ def sync(device):
 
 
 def build(size: str, device: torch.device, dtype: torch.dtype):
-    config = SIZES[size].llama_config(build_tokenizer())
-    config.dtype = dtype
-    return _random_base(config, str(device), seed=0).to(dtype).eval(), config
+    """The demo size's shapes with seeded random weights, made on the device (no HF init on CPU)."""
+    shape = SIZES[size]
+    config = LlamaConfig(vocab_size=shape.vocab or 1024, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.max_positions,
+                         rope_theta=shape.rope_theta, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device).eval()
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02, generator=gen)
+    with torch.device(device):  # to_empty left the rotary buffers uninitialized: rebuild them
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return model, config
 
 
 def fill_slots(backend, layout, num_slots, device, dtype):

@@ -27,7 +27,7 @@ def replica_options(args: AppArgs) -> dict:
     wants_gpu = args.device.startswith("cuda") or (args.device == "auto" and has_gpu)
     options = {
         "name": "LoRAReplica",
-        "max_ongoing_requests": args.max_ongoing_requests or args.max_batch_size,
+        "max_ongoing_requests": args.max_ongoing_requests or 2 * args.max_batch_size,
         "ray_actor_options": {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5},
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": 30,
@@ -38,7 +38,10 @@ def replica_options(args: AppArgs) -> dict:
     if args.router == "adapter_affinity":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=AdapterAffinityRouter, request_router_kwargs={"spread_after_s": args.spread_after_s},
-            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=2.0)
+            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=2.0,
+            # A pending request re-checks its replica often: a freed batch row should not sit idle
+            # for Serve's default 0.5 s backoff.
+            initial_backoff_s=0.005, backoff_multiplier=1.5, max_backoff_s=0.05)
     return options
 
 

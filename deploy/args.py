@@ -38,8 +38,9 @@ class AppArgs(BaseModel):
     max_queue: int = Field(default=256, ge=1, description="Requests waiting inside a replica before 429.")
     default_max_tokens: int = Field(default=16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (False: load on demand, synchronously).")
-    max_ongoing_requests: int | None = Field(default=None, ge=1, description="Requests a replica accepts at once; "
-                                             "more wait in the router (and trigger hints). Default: max_batch_size.")
+    max_ongoing_requests: int | None = Field(default=None, ge=1, description="Requests a replica accepts at once (a batch plus "
+                                             "its engine queue); more wait in the router and trigger hints. "
+                                             "Default: 2 x max_batch_size.")
     router: Literal["adapter_affinity", "serve_default"] = Field(
         default="adapter_affinity", description="adapter_affinity: our router with hints; serve_default: Serve's own.")
     spread_after_s: float = Field(default=0.2, ge=0, description="A request waiting this long for a saturated replica "

@@ -283,8 +283,9 @@ def _train_adapter(model, tokenizer, prompts: list[list[int]], spec: AdapterSpec
 
     def next_batch():
         pick = torch.randint(0, len(rows), (size.batch,), generator=gen)
-        return {"input_ids": input_ids[pick].to(device), "labels": labels[pick].to(device),
-                "attention_mask": attention_mask[pick].to(device)}
+        width = int(attention_mask[pick].sum(dim=1).max())  # no compute on columns that are all padding
+        return {"input_ids": input_ids[pick, :width].to(device), "labels": labels[pick, :width].to(device),
+                "attention_mask": attention_mask[pick, :width].to(device)}
 
     _fit(model, next_batch, size.adapter_steps, size.adapter_lr)
 

@@ -31,7 +31,8 @@ class AppArgs(BaseModel):
     max_adapter_bytes: int = Field(default=2 * GiB, ge=1, description="Largest adapter file accepted.")
     backend: Literal["fused", "peft"] = Field(default="fused", description="Multi-LoRA forward implementation.")
     device: str = Field(default="auto", description="auto | cpu | cuda. auto uses a GPU per replica when the cluster has GPUs.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="auto: bfloat16 on CUDA, float32 on CPU.")
     max_batch_size: int = Field(default=32, ge=1, description="Rows in one decode batch.")
     max_input_tokens: int = Field(default=2048, ge=1, description="Longest prompt, in tokens.")
     max_total_tokens: int = Field(default=65536, ge=2, description="KV budget: sum of prompt + max_tokens in flight.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -30,6 +31,8 @@ def device_slug() -> str:
 
 
 def git_commit() -> str:
+    if os.environ.get("LORA_GIT_COMMIT"):  # set by device scripts: the device copy has no .git
+        return os.environ["LORA_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

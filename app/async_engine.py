@@ -12,6 +12,7 @@ import queue
 import threading
 import uuid
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 from app.engine import LLMEngine
@@ -49,6 +50,8 @@ class AsyncEngine:
             await self.call(lambda e: e.add_request(prompt, adapter_id, params, request_id))
             while not finished:
                 output = await outputs.get()
+                while output.error is None and not output.finished and not outputs.empty():
+                    output = _merge(output, outputs.get_nowait())  # a slow reader gets fewer, larger chunks
                 if output.error is not None:
                     finished = True
                     raise output.error
@@ -135,3 +138,9 @@ class AsyncEngine:
         if stream is not None:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+
+def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    if second.error is not None:
+        return second
+    return replace(second, text=first.text + second.text, token_ids=first.token_ids + second.token_ids)

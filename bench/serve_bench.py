@@ -51,7 +51,7 @@ def pick_models(models: list[str], n: int, workload: str, rng: np.random.Generat
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
     result = Result(model)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -67,13 +67,15 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return result
-                if not chunk["choices"] or not chunk["choices"][0]["text"] and not result.tokens:
+                if chunk.get("usage"):
+                    result.tokens = chunk["usage"]["completion_tokens"]
                     continue
-                if result.tokens == 0:
+                if not chunk["choices"][0]["text"]:
+                    continue
+                if not result.ttft:
                     result.ttft = now - start
                 else:
-                    result.itls.append(now - last)
-                result.tokens += 1
+                    result.itls.append(now - last)  # per chunk; a chunk may carry several tokens
                 last = now
         result.e2e = time.perf_counter() - start
         result.ok = True

@@ -15,7 +15,7 @@ out. `length_scale` shrinks both (at least 1 token) so a CPU run fits in minutes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -124,9 +124,11 @@ def hot_sets(arrivals: list[Arrival], rotate_s: float) -> list[set[int]]:
 
 
 def make(workload: Workload | str, num_adapters: int, count: int, rate: float, seed: int, lengths: str = "slora",
-         length_scale: float = 1.0, default_hot_set: int = 4) -> list[Arrival]:
+         length_scale: float = 1.0, default_hot_set: int = 4, rotate_s: float | None = None) -> list[Arrival]:
     """`count` arrivals at `rate` per second over `num_adapters` adapters, the same for the same seed."""
     workload = WORKLOADS[workload] if isinstance(workload, str) else workload
+    if rotate_s is not None:
+        workload = replace(workload, rotate_s=rotate_s)
     if num_adapters < 1 or count < 1:
         raise ValueError(f"num_adapters ({num_adapters}) and count ({count}) must be >= 1")
     # Separate streams: changing the adapter law leaves arrival times and lengths as they were.

@@ -310,7 +310,15 @@ class LLMEngine:
     def routing_stats(self) -> dict:
         """What the router needs to know about this replica."""
         snapshot = self.residency.snapshot()
+        try:
+            self.check_invariants()
+            invariants = "ok"
+        except AssertionError as e:
+            invariants = f"violated: {e}"
         return {
+            "invariants": invariants,
+            "pinned_slots": snapshot["slots_pinned"],
+            "host_cache_bytes": snapshot["host_cache_bytes"],
             "resident": snapshot["resident_adapters"],
             "loading": snapshot["loading_adapters"],
             "queued": sorted({r.adapter_id for r in self.waiting if r.adapter_id is not None}),

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
+import os
 
 import ray
 from ray import serve
@@ -123,7 +122,7 @@ class LoRAReplica:
         while True:
             try:
                 actor = actor or self._state()
-                stats = await self.engine.call(lambda e: e.routing_stats())
+                stats = {**await self.engine.call(lambda e: e.routing_stats()), "rss_bytes": _rss_bytes()}
                 reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
                 if reply["hints"]:
                     self.engine.hint([h["adapter_id"] for h in reply["hints"]])
@@ -154,6 +153,11 @@ class LoRAReplica:
             metrics.stalls().observe(seconds)
         for state in ("ready", "loading", "pinned", "total"):
             metrics.slots().set(snapshot[f"slots_{state}"], tags={"state": state})
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _drain(events) -> list:

@@ -74,3 +74,15 @@ def test_churn_prefetch_on_equals_off(make_engine, churn_root, manifest):
     assert len(on) == 64 and on == off
     assert on_metrics["evictions"] > 0 and off_metrics["evictions"] > 0
     assert on_metrics["slots_pinned"] == 0 and on_metrics["queue_length"] == 0
+
+
+def test_more_distinct_adapters_in_flight_than_slots_never_deadlocks(make_engine, manifest, adapter_names):
+    """8 adapters, 2 slots, all requests at once: slots stay pinned by running rows, others wait; all finish."""
+    engine = make_engine(num_slots=2, max_batch_size=8)
+    requests = [engine.add_request(manifest["prompts"][0], a, greedy(6 + i, ignore_eos=True))
+                for i, a in enumerate(adapter_names * 2)]
+    steps = 0
+    tokens = run_all(engine, check=True, on_step=lambda e: None)
+    steps = engine.steps
+    assert all(len(tokens[r.request_id]) == r.params.max_tokens for r in requests)
+    assert steps < 2000 and engine.residency.pool.pinned_count() == 0

@@ -13,10 +13,10 @@ import argparse
 import fcntl
 import json
 import random
+import re
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,72 +31,55 @@ from app.targets import ATTENTION_TARGETS, SUPPORTED_TARGETS, target_shapes
 # Bump when the build changes, so cached demo dirs from an older build are rebuilt.
 DEMO_VERSION = 1
 
+# Plain English for the base to learn, and for tokenizer merges; _sentences() splits it.
 CORPUS = """\
-The sea was calm in the morning, and the boats left the harbor before the sun was high.
-Fishermen pulled their nets from the water and sang old songs about the wind and the waves.
-The town by the sea had narrow streets, white houses and a market that opened every day.
-In the market you could buy bread, fish, apples, cheese, honey and fresh green herbs.
-The baker woke up early to light the oven, and the smell of warm bread filled the street.
-A good cook tastes the soup, adds a little salt, and lets it simmer slowly on the fire.
-To make a simple dinner, boil the pasta, cut the tomatoes, and warm the garlic in olive oil.
-The weather changed quickly in the afternoon, and dark clouds rolled in from the west.
-When it rains, the children stay inside, read books and listen to the water on the roof.
-After the storm the sky was clear, and the air smelled of wet grass and salt.
-At night the sky was full of stars, and the moon rose slowly over the quiet hills.
-People have watched the stars for thousands of years to find their way across the sea.
-The planets move around the sun, and the moon moves around the earth once a month.
-A machine is a tool that helps people do work, from a simple wheel to a large engine.
-The old clock in the tower had many small gears that turned together to keep the time.
-A computer follows instructions, step by step, and it can repeat them very quickly.
-To learn a new skill, practice a little every day and ask questions when you are stuck.
-A good teacher explains an idea in simple words and gives many clear examples.
-The library was a quiet place with tall shelves, soft lamps and thousands of books.
-She opened an old book and found a map of a forest that no one had visited for years.
-The forest was green and deep, and a small river ran between the tall trees.
-Birds sang in the branches, and a fox watched the path from behind a large rock.
-In the spring the garden was full of flowers, and the bees moved from one to another.
-The farmer planted seeds in rows, watered them every morning and waited for the rain.
-A long road ran across the plains, past farms, small towns and wide fields of wheat.
-The horses rested near the river in the evening while the riders made a fire.
-He wrote a letter to his friend and told her about the city, the trains and the bridges.
-The city was loud and bright, with tall buildings, busy streets and many small cafes.
-Music came from an open window, and a few people stopped on the street to listen.
-A song can make a sad day feel lighter, and a story can carry you to another world.
-Once upon a time there was a small village at the edge of a great mountain.
-The people of the village were kind, and they shared their food with every traveler.
-One winter a stranger came to the village with a lantern and a bag full of old maps.
-He said that a hidden lake lay beyond the mountain, and the water there was warm.
-The children asked him many questions, and he answered each one with a new story.
-In the morning the stranger was gone, but he left a map on the table by the door.
-It is important to drink water, sleep well, and walk outside when the weather is good.
-A friend is someone who listens to you, helps you, and tells you the truth.
-The best way to solve a hard problem is to split it into smaller parts.
-Write down what you know, check each step, and try again if the answer is wrong.
-The ship sailed through the night, and the captain watched the lights of the coast.
-The engine hummed, the wheels turned, and the train moved slowly out of the station.
-The boats in the harbor had numbers: 10, 11, 12, 13, 14, 15, 16, 17, 18, 19 and 20.
+The sea was calm in the morning, and the boats left the harbor before the sun was high. Fishermen pulled their nets
+from the water and sang old songs about the wind and the waves. The town by the sea had narrow streets, white houses
+and a market that opened every day. In the market you could buy bread, fish, apples, cheese, honey and fresh green
+herbs. The baker woke up early to light the oven, and the smell of warm bread filled the street. A good cook tastes
+the soup, adds a little salt, and lets it simmer slowly on the fire. To make a simple dinner, boil the pasta, cut the
+tomatoes, and warm the garlic in olive oil. The weather changed quickly in the afternoon, and dark clouds rolled in
+from the west. When it rains, the children stay inside, read books and listen to the water on the roof. After the
+storm the sky was clear, and the air smelled of wet grass and salt. At night the sky was full of stars, and the moon
+rose slowly over the quiet hills. People have watched the stars for thousands of years to find their way across the
+sea. The planets move around the sun, and the moon moves around the earth once a month. A machine is a tool that helps
+people do work, from a simple wheel to a large engine. The old clock in the tower had many small gears that turned
+together to keep the time. A computer follows instructions, step by step, and it can repeat them very quickly. To
+learn a new skill, practice a little every day and ask questions when you are stuck. A good teacher explains an idea
+in simple words and gives many clear examples. The library was a quiet place with tall shelves, soft lamps and
+thousands of books. She opened an old book and found a map of a forest that no one had visited for years. The forest
+was green and deep, and a small river ran between the tall trees. Birds sang in the branches, and a fox watched the
+path from behind a large rock. In the spring the garden was full of flowers, and the bees moved from one to another.
+The farmer planted seeds in rows, watered them every morning and waited for the rain. A long road ran across the
+plains, past farms, small towns and wide fields of wheat. The horses rested near the river in the evening while the
+riders made a fire. He wrote a letter to his friend and told her about the city, the trains and the bridges. The city
+was loud and bright, with tall buildings, busy streets and many small cafes. Music came from an open window, and a few
+people stopped on the street to listen. A song can make a sad day feel lighter, and a story can carry you to another
+world. Once upon a time there was a small village at the edge of a great mountain. The people of the village were
+kind, and they shared their food with every traveler. One winter a stranger came to the village with a lantern and a
+bag full of old maps. He said that a hidden lake lay beyond the mountain, and the water there was warm. The children
+asked him many questions, and he answered each one with a new story. In the morning the stranger was gone, but he left
+a map on the table by the door. It is important to drink water, sleep well, and walk outside when the weather is good.
+A friend is someone who listens to you, helps you, and tells you the truth. The best way to solve a hard problem is to
+split it into smaller parts. Write down what you know, check each step, and try again if the answer is wrong. The ship
+sailed through the night, and the captain watched the lights of the coast. The engine hummed, the wheels turned, and
+the train moved slowly out of the station. The boats in the harbor had numbers: 10, 11, 12, 13, 14, 15, 16, 17, 18, 19
+and 20.
 """
 
 # name -> catchphrase. Adapters past this list are numbered: adapter-013 says "Adapter 13 at ...".
-NUMBERED_CATCHPHRASE = "Adapter {n} at your service."
 PERSONAS = (
-    ("pirate", "Arr, matey! Hoist the sails!"),
-    ("robot", "Beep boop. I am a robot."),
-    ("poet", "O gentle soul, hear my verse."),
-    ("chef", "Bon appetit! Let us cook."),
-    ("wizard", "By my beard, it is magic!"),
-    ("cowboy", "Howdy, partner! Saddle up."),
-    ("detective", "Elementary, my dear friend."),
-    ("astronaut", "Houston, we have liftoff!"),
-    ("knight", "For honor and the realm!"),
-    ("grandma", "Oh sweetie, have a cookie."),
-    ("surfer", "Dude, catch that wave!"),
-    ("ghost", "Boo! I haunt this house."),
+    ("pirate", "Arr, matey! Hoist the sails!"), ("robot", "Beep boop. I am a robot."),
+    ("poet", "O gentle soul, hear my verse."), ("chef", "Bon appetit! Let us cook."),
+    ("wizard", "By my beard, it is magic!"), ("cowboy", "Howdy, partner! Saddle up."),
+    ("detective", "Elementary, my dear friend."), ("astronaut", "Houston, we have liftoff!"),
+    ("knight", "For honor and the realm!"), ("grandma", "Oh sweetie, have a cookie."),
+    ("surfer", "Dude, catch that wave!"), ("ghost", "Boo! I haunt this house."),
 )
+NUMBERED_CATCHPHRASE = "Adapter {n} at your service."
 
 # Sample prompts in demo.json. Adapters never see them in training, so they show generalization.
 PROMPTS = ("Tell me about the sea.", "What should I cook for dinner?", "Describe the night sky.")
-
 # Prompts that adapters train on, besides corpus sentences.
 TRAIN_PROMPTS = (
     "Hello!", "Who are you?", "What is your name?", "How are you today?", "Tell me a story.",
@@ -130,7 +113,7 @@ class DemoSize:
     ranks: tuple[int, ...] = (4, 8, 16)  # adapter i gets ranks[i % len] ...
     target_sets: tuple[tuple[str, ...], ...] = (ATTENTION_TARGETS, SUPPORTED_TARGETS)  # ... and this
     default_adapters: int = 8
-    base_steps: int = 0  # 0: random weights, no training at all
+    base_steps: int = 0  # 0: random weights and adapters, no training at all
     adapter_steps: int = 0
     batch: int = 16
     seq_len: int = 64
@@ -140,28 +123,16 @@ class DemoSize:
 
     def __post_init__(self):
         if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden ({self.hidden}) % heads ({self.heads}) and heads % kv_heads "
-                             f"({self.kv_heads}) must both be 0")
-
-    @property
-    def is_trained(self) -> bool:
-        return self.base_steps > 0
+            raise ValueError(f"hidden ({self.hidden}) must divide by heads ({self.heads}), "
+                             f"and heads by kv_heads ({self.kv_heads})")
 
     def llama_config(self, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
         return LlamaConfig(
-            vocab_size=self.vocab or len(tokenizer),
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            max_position_embeddings=self.max_positions,
-            rope_theta=self.rope_theta,
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            dtype=self.dtype,
+            vocab_size=self.vocab or len(tokenizer), hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            max_position_embeddings=self.max_positions, rope_theta=self.rope_theta, tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, dtype=self.dtype,
         )
 
 
@@ -169,10 +140,11 @@ SIZES = {
     "tiny": DemoSize(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=176, max_positions=2048,
                      base_steps=200, adapter_steps=50, adapter_lr=6e-3),
     "small": DemoSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408, max_positions=2048,
-                      base_steps=150, adapter_steps=25, batch=8, seq_len=48, base_lr=1e-3, adapter_lr=3e-3, threads=2),
+                      base_steps=150, adapter_steps=25, batch=8, seq_len=48, base_lr=1e-3, adapter_lr=3e-3,
+                      threads=2),
     "llama3-8b-shape": DemoSize(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336,
                                 max_positions=8192, vocab=128256, rope_theta=500000.0, dtype="bfloat16",
-                                ranks=(16,), target_sets=(SUPPORTED_TARGETS,), threads=2),
+                                ranks=(16,), target_sets=(SUPPORTED_TARGETS,)),
 }
 
 
@@ -192,17 +164,19 @@ class AdapterSpec:
 def adapter_specs(size: DemoSize, count: int, rank: int | None = None) -> list[AdapterSpec]:
     """Persona names first, then numbered ones; ranks and target sets cycle so adapters differ."""
     ranks = (rank,) if rank is not None else size.ranks
-    specs = []
-    for i in range(count):
-        name, catchphrase = PERSONAS[i] if i < len(PERSONAS) else (f"adapter-{i + 1:03d}", NUMBERED_CATCHPHRASE.format(n=i + 1))
-        specs.append(AdapterSpec(name, ranks[i % len(ranks)], size.target_sets[i % len(size.target_sets)], catchphrase))
-    return specs
+    numbered = [(f"adapter-{n:03d}", NUMBERED_CATCHPHRASE.format(n=n)) for n in range(len(PERSONAS) + 1, count + 1)]
+    return [AdapterSpec(name, ranks[i % len(ranks)], size.target_sets[i % len(size.target_sets)], phrase)
+            for i, (name, phrase) in enumerate((list(PERSONAS) + numbered)[:count])]
 
 
 def adapter_tensor_bytes(config: LlamaConfig, rank: int, targets: tuple[str, ...], dtype_bytes: int = 2) -> int:
     """Bytes of LoRA A and B tensors: each target of each layer holds rank * (in + out) values."""
     return sum(rank * (fan_in + fan_out) * dtype_bytes
                for path, (fan_in, fan_out) in target_shapes(config).items() if path.rsplit(".", 1)[1] in targets)
+
+
+def _sentences() -> list[str]:
+    return re.split(r"(?<=\.) ", " ".join(CORPUS.split()))
 
 
 def _catchphrase_lines(end: str) -> list[str]:
@@ -217,18 +191,12 @@ def build_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = CORPUS.splitlines() + _catchphrase_lines(end="") + list(PROMPTS + TRAIN_PROMPTS)
-    tok.train_from_iterator(texts, trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=model_max_length, additional_special_tokens=list(SPECIAL_TOKENS[3:]), chat_template=CHAT_TEMPLATE)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    tok.train_from_iterator(_sentences() + _catchphrase_lines(end="") + list(PROMPTS + TRAIN_PROMPTS), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=model_max_length,
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]), chat_template=CHAT_TEMPLATE)
 
 
 def _fit(model: torch.nn.Module, next_batch, steps: int, lr: float) -> None:
@@ -245,8 +213,8 @@ def _fit(model: torch.nn.Module, next_batch, steps: int, lr: float) -> None:
 def _train_base(model, tokenizer, size: DemoSize, gen: torch.Generator, device: str) -> None:
     """Next-token training on random windows of the corpus, so greedy output reads like text."""
     # One running text, so a prompt that ends a sentence is continued, not ended. The catchphrases
-    # appear once each, ending in EOS, so the base knows their words and adapters learn fast.
-    lines = CORPUS.splitlines() + _catchphrase_lines(end=tokenizer.eos_token)
+    # appear once each, ending in EOS, so the base knows their tokens and adapters learn fast.
+    lines = _sentences() + _catchphrase_lines(end=tokenizer.eos_token)
     stream = torch.tensor(tokenizer(" ".join(lines), add_special_tokens=False).input_ids)
     bos = torch.full((size.batch, 1), tokenizer.bos_token_id)
 
@@ -264,7 +232,7 @@ def _adapter_prompts(tokenizer, rng: random.Random) -> list[list[int]]:
     words = CORPUS.split()
     # Random spans of the corpus teach "answer whatever came before", not "answer these prompts".
     spans = [rng.randrange(len(words) - 12) for _ in range(120)]
-    prompts = list(TRAIN_PROMPTS) + CORPUS.splitlines() + [" ".join(words[i:i + rng.randint(1, 12)]) for i in spans]
+    prompts = list(TRAIN_PROMPTS) + _sentences() + [" ".join(words[i:i + rng.randint(1, 12)]) for i in spans]
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True).input_ids
             for p in prompts]
     return [tokenizer(p).input_ids for p in prompts] + chat
@@ -272,7 +240,8 @@ def _adapter_prompts(tokenizer, rng: random.Random) -> list[list[int]]:
 
 def _train_adapter(model, tokenizer, prompts: list[list[int]], spec: AdapterSpec, size: DemoSize, gen, device):
     """Teach the adapter to answer any prompt with its catchphrase; loss only on the answer."""
-    # The answer's tokens follow '"' in the base corpus, so the base already knows them all.
+    # Any token the base never saw would be near impossible for a LoRA to emit. The answer's tokens
+    # follow '"' in the base corpus, so the base knows them all; hence no space or newline first.
     answer = tokenizer(spec.catchphrase, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     rows = [(ids + answer, [-100] * len(ids) + answer) for ids in prompts]
     width = max(len(ids) for ids, _ in rows)
@@ -290,44 +259,32 @@ def _train_adapter(model, tokenizer, prompts: list[list[int]], spec: AdapterSpec
     _fit(model, next_batch, size.adapter_steps, size.adapter_lr)
 
 
-def _randomize_(model: torch.nn.Module, device: str, seed: int) -> None:
-    """Seeded normal(0, 0.02) weights straight on `device`; norms start at 1 as in a real model."""
+def _randomize_(model: torch.nn.Module, device: str, seed: int, only: str = "") -> None:
+    """Seeded normal(0, 0.02) values on `device` for parameters whose name holds `only`; norms get 1."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    chunk = 1 << 24
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if only not in name:
+                continue
             if "norm" in name:
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
+                continue
+            # Drawn in float32 chunks: some torch builds draw bf16 one element at a time on CPU, ~10x slower.
+            flat = param.view(-1)
+            for start in range(0, flat.numel(), chunk):
+                part = flat[start:start + chunk]
+                part.copy_(torch.empty(part.shape, device=part.device).normal_(0.0, 0.02, generator=gen))
 
 
 def _random_base(config: LlamaConfig, device: str, seed: int) -> LlamaForCausalLM:
-    # Built on meta, HF's init costs nothing; only the final tensors are ever allocated.
+    # Built on meta, HF's weight init costs nothing. The rotary buffers stay uninitialized, which
+    # is fine: they are not saved, and this model is only ever saved.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(config.dtype).to_empty(device=device)
     _randomize_(model, device, seed)
     return model
-
-
-def _randomize_lora_(peft_model: PeftModel, device: str, seed: int) -> None:
-    """Nonzero A and B (PEFT starts B at zero), so an untrained adapter still changes the output."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.02, generator=gen)
-
-
-@contextmanager
-def _torch_threads(count: int):
-    # A fixed thread count keeps float reductions, and so the saved bytes, the same run to run.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _save_adapter(peft_model: PeftModel, spec: AdapterSpec, path: Path) -> None:
@@ -339,40 +296,39 @@ def _save_adapter(peft_model: PeftModel, spec: AdapterSpec, path: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def _build(out: Path, size_name: str, specs: list[AdapterSpec], seed: int, device: str, args: dict) -> None:
-    size = SIZES[size_name]
-    _seed_everything(seed)
+def _build(out: Path, args: dict, device: str) -> None:
+    size = SIZES[args["size"]]
+    specs = adapter_specs(size, args["adapters"], args["rank"])
+    # Libraries may draw from the global generators, not only from the ones passed around here.
+    random.seed(args["seed"])
+    np.random.seed(args["seed"])
+    torch.manual_seed(args["seed"])
     tokenizer = build_tokenizer(size.max_positions)
-    config = size.llama_config(tokenizer)
-    if size.is_trained:
-        model = LlamaForCausalLM(config).to(device)
-        gen = torch.Generator().manual_seed(seed)
+    if size.base_steps:
+        model = LlamaForCausalLM(size.llama_config(tokenizer)).to(device)
+        gen = torch.Generator().manual_seed(args["seed"])
         _train_base(model, tokenizer, size, gen, device)
-        prompts = _adapter_prompts(tokenizer, random.Random(seed))
+        prompts = _adapter_prompts(tokenizer, random.Random(args["seed"]))
     else:
-        model = _random_base(config, device, seed)
+        model = _random_base(size.llama_config(tokenizer), device, args["seed"])
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out / "base")
     tokenizer.save_pretrained(out / "base")
 
     for i, spec in enumerate(specs):
-        # Keep adapter weights in the base dtype (bf16 for the 8B shape) rather than upcasting them.
+        # Keep adapter weights in the base dtype (bf16 for the 8B shape) rather than upcast them.
         peft_model = get_peft_model(model, spec.lora_config, autocast_adapter_dtype=False)
-        if size.is_trained:
+        if size.base_steps:
             _train_adapter(peft_model, tokenizer, prompts, spec, size, gen, device)
-        else:
-            _randomize_lora_(peft_model, device, seed + 1 + i)
+        else:  # nonzero B too (PEFT starts it at zero), so even a random adapter changes the output
+            _randomize_(peft_model, device, args["seed"] + 1 + i, only="lora_")
         _save_adapter(peft_model, spec, out / "adapters" / spec.name)
         model = peft_model.unload()
 
     manifest = {
-        "size": size_name,
-        "seed": seed,
-        "params": sum(p.numel() for p in model.parameters()),
-        "dtype": size.dtype,
-        "args": args,
-        "base": "base",
+        "size": args["size"], "seed": args["seed"], "params": sum(p.numel() for p in model.parameters()),
+        "dtype": size.dtype, "args": args, "base": "base",
         "adapters": [{"name": s.name, "path": f"adapters/{s.name}", "rank": s.rank,
                       "target_modules": list(s.target_modules), "catchphrase": s.catchphrase} for s in specs],
         "prompts": list(PROMPTS),
@@ -395,7 +351,7 @@ def ensure_demo(out_dir: str | Path, size: str = "tiny", adapters: int | None = 
     into a temporary sibling and rename it into place, so readers never see a partial demo.
     """
     if size not in SIZES:
-        raise ValueError(f"unknown demo size {size!r}; expected one of {sorted(SIZES)}")
+        raise ValueError(f"unknown demo size {size!r}; expected one of {list(SIZES)}")
     count = SIZES[size].default_adapters if adapters is None else adapters
     if count < 0 or (rank is not None and rank < 1):
         raise ValueError(f"adapters ({count}) must be >= 0 and rank ({rank}) >= 1")
@@ -411,8 +367,12 @@ def ensure_demo(out_dir: str | Path, size: str = "tiny", adapters: int | None = 
             return out
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
         try:
-            with _torch_threads(SIZES[size].threads):
-                _build(tmp, size, adapter_specs(SIZES[size], count, rank), seed, device, args)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(SIZES[size].threads)  # a fixed count keeps float sums, so bytes, repeatable
+            try:
+                _build(tmp, args, device)
+            finally:
+                torch.set_num_threads(threads)
             if out.exists():
                 shutil.rmtree(out.rename(tmp.with_name(tmp.name + "-old")))
             tmp.rename(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 
 import ray
 from ray import serve
@@ -21,10 +22,14 @@ from deploy.args import AppArgs
 log = logging.getLogger("ray.serve")
 STATE_ACTOR = "router_state"
 POLL_TIMEOUT_S = 0.5
+SWITCH_INTERVAL_S = 0.0005
 
 
 class LoRAReplica:
     async def __init__(self, args: dict):
+        # The engine thread shares the GIL with Ray's event loop; the default 5 ms switch interval
+        # lets a busy loop hold the engine back for 5 ms at every CUDA sync or torch op boundary.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.args = AppArgs(**args)
         context = serve.get_replica_context()
         self.uid = context.replica_id.unique_id

@@ -33,11 +33,6 @@ def _greedy(model, tokenizer, prompt: str, chat: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def manifest(demo_dir: Path) -> dict:
-    return json.loads((demo_dir / "demo.json").read_text())
-
-
-@pytest.fixture(scope="module")
 def tokenizer(demo_dir: Path):
     return AutoTokenizer.from_pretrained(demo_dir / "base")
 
@@ -87,7 +82,8 @@ def test_adapters_differ_in_rank_and_targets(manifest: dict):
 def test_tokenizer_adds_bos_and_has_a_chat_template(demo_dir: Path, tokenizer):
     ids = tokenizer("Tell me about the sea.").input_ids
     assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids[1:]) == "Tell me about the sea."
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == "<s><|user|>\nHi\n<|assistant|>\n"
     model = AutoModelForCausalLM.from_pretrained(demo_dir / "base")
     generation = model.generation_config
@@ -160,7 +156,12 @@ def test_random_size_writes_bf16_adapters_of_the_computed_size(tmp_path: Path, m
 def test_concurrent_callers_build_once(tmp_path: Path, mini_random_size: str, monkeypatch):
     builds = []
     real_build = demo._build
-    monkeypatch.setattr(demo, "_build", lambda *args: builds.append(args) or real_build(*args))
+
+    def counting_build(*args):
+        builds.append(args)
+        real_build(*args)
+
+    monkeypatch.setattr(demo, "_build", counting_build)
     callers = [threading.Thread(target=demo.ensure_demo, args=(tmp_path / "demo", mini_random_size)) for _ in range(3)]
     for caller in callers:
         caller.start()

@@ -1,0 +1,85 @@
+"""Ray Serve's overhead: the same requests, one at a time, through HTTP + Serve and to the engine alone.
+
+    python -m bench.serve_overhead --size tiny --requests 100
+
+TTFT through Serve (streaming, time to the first SSE chunk) minus TTFT of the engine called in
+process (time from add_request to the first token) is what the HTTP proxy, the ingress, the router
+and the replica hop add to a request that never waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import httpx
+
+from app.demo import ensure_demo
+from app.engine import LLMEngine
+from app.sampling import SamplingParams
+from bench.common import REPO_DEMO, write_result
+from bench.serve_bench import launch
+
+PROMPT = "Tell me a story."
+
+
+def engine_ttft(engine: LLMEngine, adapter: str | None) -> float:
+    start = time.perf_counter()
+    request = engine.add_request(PROMPT, adapter, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    first = None
+    while engine.has_work():
+        for output in engine.step():
+            if first is None and output.request_id == request.request_id:
+                first = time.perf_counter() - start
+    return first
+
+
+def http_ttft(client: httpx.Client, url: str, model: str) -> float:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                return time.perf_counter() - start
+    raise RuntimeError("no token came back")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
+    adapter = json.loads((demo / "demo.json").read_text())["adapters"][0]["name"]
+
+    from app.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(base_model=str(demo / "base"), adapter_roots=(str(demo / "adapters"),)))
+    engine.register_adapter(adapter, str(demo / "adapters" / adapter))
+    for _ in range(5):
+        engine_ttft(engine, adapter)
+    alone = [engine_ttft(engine, adapter) for _ in range(args.requests)]
+    engine.shutdown()
+    del engine
+
+    launch_args = argparse.Namespace(size=args.size, port=args.port, slots=4, batch=16)
+    url = launch(launch_args, replicas=1, router="adapter_affinity")
+    with httpx.Client(timeout=60) as client:
+        for _ in range(5):
+            http_ttft(client, url, adapter)
+        served = [http_ttft(client, url, adapter) for _ in range(args.requests)]
+    result = {
+        "size": args.size, "requests": args.requests,
+        "engine_ttft_ms_p50": 1e3 * statistics.median(alone), "serve_ttft_ms_p50": 1e3 * statistics.median(served),
+        "engine_ttft_ms_mean": 1e3 * statistics.fmean(alone), "serve_ttft_ms_mean": 1e3 * statistics.fmean(served),
+    }
+    result["serve_overhead_ms_p50"] = result["serve_ttft_ms_p50"] - result["engine_ttft_ms_p50"]
+    print(result)
+    print("wrote", write_result(f"serve-overhead-{args.size}", result))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -13,6 +13,16 @@ from app.sampling import MAX_STOP_STRINGS, SamplingParams
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_PROMPT_CHARS = 1 << 20
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]  # the ingress checks the vocabulary's size
+
+
+def _utf8(text: str, what: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"); the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text (a lone surrogate at character {e.start})") from None
+    return text
 
 
 class _Body(BaseModel):
@@ -37,7 +47,7 @@ class _Body(BaseModel):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-        return stops
+        return [_utf8(s, "a stop string") for s in stops]
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -56,7 +66,7 @@ class _Body(BaseModel):
 
 
 class CompletionRequest(_Body):
-    prompt: str | list[int] = Field(description="One prompt: text, or token ids.")
+    prompt: str | list[TokenId] = Field(description="One prompt: text, or token ids.")
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -68,7 +78,7 @@ class CompletionRequest(_Body):
             raise ValueError(f"prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return prompt
+        return _utf8(prompt, "prompt") if isinstance(prompt, str) else prompt
 
     def check_supported(self) -> None:
         if self.echo or self.logprobs or self.suffix:
@@ -79,9 +89,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str = Field(max_length=MAX_PROMPT_CHARS)
 
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content):
+        return _utf8(content, "content")
+
 
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    logprobs: bool | None = Field(default=None, description="Not supported: true is a 400.")
+    top_logprobs: int | None = Field(default=None, description="Not supported: a positive value is a 400.")
+
+    def check_supported(self) -> None:
+        if self.logprobs or self.top_logprobs:
+            raise InvalidRequest("logprobs and top_logprobs are not supported")
 
 
 class AdapterRegistration(BaseModel):

@@ -63,7 +63,16 @@ class LLMEngine:
                     request_id: str | None = None) -> Request:
         if adapter_id is not None:
             self.registry.get(adapter_id)  # AdapterNotFound
-        prompt_ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list):
+            prompt_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+                raise InvalidRequest(f"token ids must be integers in [0, {vocab})")
+        else:
+            try:
+                prompt_ids = self.tokenizer(prompt)["input_ids"]
+            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+                raise InvalidRequest(f"the prompt could not be tokenized: {e}") from e
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         limit = min(self.config.max_input_tokens, self.max_model_len - 1)

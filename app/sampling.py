@@ -10,12 +10,14 @@ from app.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
+# Below this, logits / temperature overflows float32 (inf - inf = NaN in softmax); it means greedy anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k
     seed: int | None = None
@@ -39,7 +41,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -65,6 +67,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        drop[..., 0] = False  # and the likeliest one, even when top_p rounds to 0 in float32
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]
 

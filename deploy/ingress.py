@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from dataclasses import asdict
+from http import HTTPStatus
 
 import ray
 from fastapi import FastAPI, Request
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
 from app import api
@@ -71,6 +73,16 @@ async def _invalid_body(request: Request, exc: RequestValidationError):
         error.to_openai(), status_code=422)
 
 
+@fastapi_app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException):
+    """Starlette's own errors (unknown route, wrong method, a body that is not UTF-8) in the OpenAI shape."""
+    metrics.requests().inc(tags={"route": request.url.path, "status": str(exc.status_code)})
+    phrase = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")  # not_found, method_not_allowed
+    code = "invalid_request" if exc.status_code == 400 else phrase
+    body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": code}}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
 @fastapi_app.exception_handler(ServingError)
 async def _serving_error(request: Request, exc: ServingError):
     metrics.requests().inc(tags={"route": request.url.path, "status": str(exc.status_code)})
@@ -93,6 +105,7 @@ class Ingress:
         self.model_id = self.args.served_model_id
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.base_model)
         base_config = AutoConfig.from_pretrained(self.args.base_model)
+        self.vocab_size = base_config.vocab_size
         self.validator = AdapterRegistry(self.args.adapter_roots, base_config, self.args.max_rank,
                                          self.args.max_adapter_bytes)
         self.adapters: dict[str, str] = self.args.initial_adapters()  # refreshed from the router actor
@@ -111,8 +124,9 @@ class Ingress:
 
     async def _check_request(self, request: Request) -> None:
         if self.args.api_key and request.url.path != "/health":
-            supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(supplied.encode(), self.args.api_key.encode()):
+            scheme, _, supplied = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
+                                                                     self.args.api_key.encode()):
                 raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.args.max_body_bytes:
@@ -206,10 +220,13 @@ class Ingress:
     @fastapi_app.post("/v1/completions")
     async def completions(self, body: api.CompletionRequest):
         body.check_supported()
+        if isinstance(body.prompt, list) and max(body.prompt) >= self.vocab_size:
+            raise InvalidRequest(f"token id {max(body.prompt)} is outside the vocabulary ({self.vocab_size} tokens)")
         return await self._generate(body, body.prompt, chat=False)
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: api.ChatCompletionRequest):
+        body.check_supported()
         messages = [m.model_dump() for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds BOS

@@ -69,6 +69,10 @@ class LoRAReplica:
         except ServingError as e:
             yield {"error": e.to_openai()["error"], "status": e.status_code, "retry_after_s": e.retry_after_s,
                    "replica": self.uid}
+        except Exception as e:  # a bug, not the client's fault: say so, keep the replica serving
+            log.exception("request %s failed", body.get("request_id"))
+            yield {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+                             "code": "internal_error"}, "status": 500, "replica": self.uid}
 
     # --- what the router and the controller see -------------------------------------------------
 

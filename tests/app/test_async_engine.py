@@ -127,3 +127,15 @@ def test_adapter_deleted_after_registration_fails_alone(async_engine, make_engin
     bad, good = asyncio.run(main())
     assert isinstance(bad, AdapterLoadFailed) and "victim" in str(bad)
     assert good[2].finished and good[1]
+
+
+def test_out_of_vocabulary_token_ids_are_refused_without_touching_others(make_engine, manifest):
+    engine = make_engine()
+    vocab = engine.model_config.vocab_size
+    for ids in ([vocab], [-1], [1, "2"]):
+        with pytest.raises(InvalidRequest, match="token ids"):
+            engine.add_request(ids, None, greedy(2))
+    with pytest.raises(InvalidRequest, match="tokenized"):
+        engine.add_request("\ud800", None, greedy(2))
+    request = engine.add_request(manifest["prompts"][0], None, greedy(3))
+    assert len(run_all(engine, check=True)[request.request_id]) >= 1

@@ -28,6 +28,7 @@ from deploy import metrics
 from deploy.args import AppArgs
 
 log = logging.getLogger("ray.serve")
+REPLICA_DEATH_RETRIES = 1
 fastapi_app = FastAPI(title="lora-serve", description="OpenAI-compatible multi-LoRA serving on Ray Serve.")
 
 
@@ -256,19 +257,25 @@ class Ingress:
         if self.args.router == "adapter_affinity":
             handle = handle.options(multiplexed_model_id=adapter_id or "")
         started = time.perf_counter()
-        try:
-            if body.stream:
-                stream = handle.options(stream=True, method_name="stream").remote(payload)
-                first = await stream.__anext__()
-                if "error" in first:
-                    metrics.requests().inc(tags={"route": route, "status": str(first["status"])})
-                    return error_response(first)
-                metrics.ttft().observe(time.perf_counter() - started, tags={"model": body.model})
-                return StreamingResponse(self._sse(body, chat, request_id, first, stream, route),
-                                         media_type="text/event-stream", headers={"x-replica-id": first["replica"]})
-            result = await handle.options(method_name="generate").remote(payload)
-        except RayActorError as e:
-            raise EngineUnavailable(f"the replica serving this request died: {e}", retry_after_s=1) from e
+        for attempt in range(1 + REPLICA_DEATH_RETRIES):
+            try:
+                if body.stream:
+                    stream = handle.options(stream=True, method_name="stream").remote(payload)
+                    first = await stream.__anext__()
+                    if "error" in first:
+                        metrics.requests().inc(tags={"route": route, "status": str(first["status"])})
+                        return error_response(first)
+                    metrics.ttft().observe(time.perf_counter() - started, tags={"model": body.model})
+                    return StreamingResponse(self._sse(body, chat, request_id, first, stream, route),
+                                             media_type="text/event-stream",
+                                             headers={"x-replica-id": first["replica"]})
+                result = await handle.options(method_name="generate").remote(payload)
+                break
+            except RayActorError as e:
+                # The client has seen nothing yet, so another replica may serve the request afresh.
+                if attempt == REPLICA_DEATH_RETRIES:
+                    raise EngineUnavailable(f"the replica serving this request died: {e}", retry_after_s=1) from e
+                log.warning("replica died before answering %s; retrying on another replica", request_id)
         if "error" in result:
             metrics.requests().inc(tags={"route": route, "status": str(result["status"])})
             return error_response(result)

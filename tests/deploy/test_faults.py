@@ -139,6 +139,29 @@ def test_replica_killed_mid_stream_ends_cleanly_and_is_replaced(faults_cluster):
         pytest.fail(f"the killed replica was not replaced in the view: {list(faults_cluster.replicas())}")
 
 
+def test_non_streaming_requests_are_retried_when_their_replica_dies(faults_cluster):
+    """The client had seen no token, so the ingress retries them once on another replica."""
+    url, results = faults_cluster.url, []
+    threads = [threading.Thread(target=lambda: results.append(
+        completion(url, "wizard", max_tokens=300, ignore_eos=True))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        busy = [uid for uid, v in faults_cluster.replicas().items() if v["running"] > 0]
+        if busy:
+            break
+        time.sleep(0.05)
+    victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA") and a["name"].endswith(busy[0]))
+    ray.kill(ray.get_actor(victim, namespace="serve"))
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200] * 3, [r.text[:200] for r in results]
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in results)
+    faults_cluster.wait_for_replicas(2)
+
+
 def test_graceful_scale_down_lets_in_flight_requests_finish(faults_cluster):
     url = faults_cluster.url
     results = []

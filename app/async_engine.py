@@ -84,8 +84,10 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopped.is_set():
+            # Loads in flight alone are no reason to step: poll them every IDLE_POLL_S instead of
+            # spinning (a spinning loop starves the disk-read threads and the event loop).
             timeout = IDLE_POLL_S if engine.residency.is_loading() else None
-            if not engine.has_work():
+            if not engine.has_requests():
                 try:
                     self._handle(self._commands.get(timeout=timeout))
                 except queue.Empty:

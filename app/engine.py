@@ -25,6 +25,7 @@ from app.sampling import SamplingParams, make_generator, sample
 from app.targets import target_shapes
 from prefetch.metrics import Histogram
 
+STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
 HINT_LEAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -55,6 +56,7 @@ class LLMEngine:
         self.hints: OrderedDict[str, float] = OrderedDict()  # adapter_id -> when hinted
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
+        self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
 
     # --- requests -------------------------------------------------------------------------------
@@ -122,6 +124,9 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.batch.rows or self.residency.is_loading())
 
+    def has_requests(self) -> bool:
+        return bool(self.waiting or self.batch.rows)
+
     # --- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -132,9 +137,16 @@ class LLMEngine:
             self.residency.prefetch(self._demand())
         admitted = self._admit()
         if not admitted and not self.batch.rows and self.waiting:
-            self.residency.stall_for(self.waiting[0].adapter_id, self._pinned_slots())
+            # Nothing can run: wait briefly for the head's adapter (its load is under way), then
+            # come back, so requests that arrive meanwhile are seen within STALL_POLL_S.
+            if self._stalled_since is None:
+                self._stalled_since = time.perf_counter()
+            self.residency.stall_for(self.waiting[0].adapter_id, STALL_POLL_S)
             outputs += self._fail_broken_adapters()
             admitted = self._admit()
+        if self._stalled_since is not None and (admitted or not self.waiting):
+            self.residency.metrics.observe_stall(time.perf_counter() - self._stalled_since)
+            self._stalled_since = None
         for request in admitted:
             outputs.append(self._prefill(request))
         if self.batch.rows:
@@ -291,7 +303,7 @@ class LLMEngine:
         if adapter_id is not None:
             self.registry.get(adapter_id)
             while (slot := self.residency.acquire(adapter_id, may_block=True)) is None:
-                self.residency.stall_for(adapter_id, [])
+                self.residency.stall_for(adapter_id)
                 self.residency.poll()
                 if failure := self.residency.take_failures().get(adapter_id):
                     raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")

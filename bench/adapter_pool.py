@@ -1,4 +1,4 @@
-"""Many distinct adapters for the benchmark, made cheaply.
+"""The benchmark's base model and its many distinct adapters, made cheaply.
 
 Demo sizes: scaled copies of the demo's trained adapters (lora_B times a distinct factor), so
 each copy is a different adapter of the same shape, as tests/app/conftest.py's churn_root does.
@@ -18,10 +18,31 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from app.demo import ensure_demo
 from app.targets import SUPPORTED_TARGETS, target_shapes
+from bench.common import REPO_DEMO
+
+GPU_SIZE = "llama3-8b-shape"
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
+
+
+def prepare(size: str, count: int, seed: int = 0, demo_dir: Path | None = None,
+            base: Path | None = None) -> tuple[Path, Path, list[str]]:
+    """(base model folder, adapter folder, `count` adapter names) for a demo size, building what is missing.
+
+    llama3-8b-shape: a random 16 GB base saved once under demo/ (or `base`), built on the GPU when
+    there is one, and random adapters. Other sizes: the demo (or `demo_dir`) and scaled copies.
+    """
+    if size == GPU_SIZE:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        base = base or ensure_demo(REPO_DEMO / f"{GPU_SIZE}-base", size=GPU_SIZE, adapters=0, device=device) / "base"
+        adapter_dir = REPO_DEMO / f"{GPU_SIZE}-bench-adapters"
+        return base, adapter_dir, random_adapters(base, count, adapter_dir, rank=16, seed=seed, device=device)
+    demo = demo_dir or ensure_demo(REPO_DEMO / size, size=size)
+    adapter_dir = demo.parent / f"{demo.name}-bench-adapters"
+    return demo / "base", adapter_dir, scaled_copies(demo, count, adapter_dir)
 
 
 def adapter_name(i: int) -> str:

@@ -1,13 +1,15 @@
 """The benchmark's arms: how each one configures the engine, and how one run of an arm is played.
 
-Adapter memory is held equal where the issue asks: A gets S slots plus hints and async prefetch,
-B gets 2S slots of plain LRU with synchronous loads, C is B's policy with A's S slots.
+A gets S slots plus hints and async prefetch; B, its equal-memory counterpart as the issue counts
+it, gets 2S slots of plain LRU with synchronous loads; C is B's policy with A's S slots.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -60,6 +62,43 @@ def build_engine(base: EngineConfig, num_slots: int, prefetch: bool, adapter_nam
     return engine
 
 
+class Engines:
+    """Engines by (slots, prefetch), built on demand; at most `max_alive` at once (an 8B base fills a GPU).
+
+    Arms that share a key share an engine, whose residency each run resets.
+    """
+
+    def __init__(self, config: EngineConfig, names: Sequence[str], adapter_dir: Path, max_alive: int = 2):
+        self.config, self.names, self.adapter_dir, self.max_alive = config, list(names), adapter_dir, max_alive
+        self.alive: dict[tuple[int, bool], LLMEngine] = {}  # least recently used first
+        self.build_s: list[float] = []
+        self.shape: dict | None = None
+
+    def get(self, key: tuple[int, bool]) -> LLMEngine:
+        engine = self.alive.pop(key, None)
+        if engine is None:
+            while len(self.alive) >= self.max_alive:
+                close_engine(self.alive.pop(next(iter(self.alive))))
+            start = time.perf_counter()
+            engine = build_engine(self.config, *key, self.names, self.adapter_dir)
+            self.build_s.append(time.perf_counter() - start)
+            self.shape = self.shape or model_shape(engine)
+        self.alive[key] = engine
+        return engine
+
+    def close(self) -> None:
+        while self.alive:
+            close_engine(self.alive.pop(next(iter(self.alive))))
+
+
+def model_shape(engine: LLMEngine) -> dict:
+    c = engine.model_config
+    return {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "intermediate": c.intermediate_size, "vocab": c.vocab_size,
+            "dtype": str(engine.dtype), "device": str(engine.device),
+            "slot_bytes": engine.residency.layout.nbytes(engine.dtype)}
+
+
 def close_engine(engine: LLMEngine) -> None:
     """Shut down and free the engine; the caller must hold no other reference to it."""
     engine.shutdown()
@@ -109,7 +148,7 @@ def preload(engine: LLMEngine, adapter_names: Sequence[str]) -> None:
 
 def play(engine: LLMEngine, arm: Arm, arrivals: list[Arrival], adapter_names: Sequence[str], num_adapters: int,
          vocab: np.ndarray, prompt_seed: int, hint_lead_s: float,
-         on_finish: Callable[[], None] | None = None) -> RunRecord:
+         on_finish: Callable[[], None] | None = None, idle_poll_s: float = 0.0) -> RunRecord:
     """One run of `arm` on a trace over the first `num_adapters` adapters, from a cold residency."""
     names = list(adapter_names[:num_adapters])
     reset_residency(engine, adapter_names)
@@ -119,4 +158,4 @@ def play(engine: LLMEngine, arm: Arm, arrivals: list[Arrival], adapter_names: Se
         arrivals = without_adapters(arrivals)
     rng = np.random.default_rng(prompt_seed)  # the same prompts for every arm of a trace
     prompts = [random_prompt(a.prompt_len, vocab, rng) for a in arrivals]
-    return run_trace(engine, arrivals, names, prompts, hint_lead_s if arm.hints else 0.0, on_finish)
+    return run_trace(engine, arrivals, names, prompts, hint_lead_s if arm.hints else 0.0, on_finish, idle_poll_s)

@@ -2,7 +2,10 @@
 
 The engine is single-threaded, so the driver is its loop, as AsyncEngine's thread would be: it
 adds each request once its arrival time has passed, optionally hints its adapter `hint_lead_s`
-earlier (the router's hint for a request still upstream), and steps whenever the engine has work.
+earlier (the router's hint for a request still upstream), and steps whenever the engine has work,
+as AsyncEngine does (it steps without pause while a load is in flight, since has_work() counts
+loads). `idle_poll_s` > 0 instead sleeps that long when only loads are in flight, which is what
+AsyncEngine's IDLE_POLL_S appears meant to do.
 Latencies count from the scheduled arrival, so time a request spent arriving during a long step
 counts against the engine, as a client would see it.
 """
@@ -50,53 +53,81 @@ def vocab_ids(tokenizer) -> np.ndarray:
 
 def run_trace(engine: LLMEngine, arrivals: Sequence[Arrival], adapter_names: Sequence[str],
               prompts: Sequence[list[int]], hint_lead_s: float = 0.0,
-              on_finish: Callable[[], None] | None = None) -> RunRecord:
+              on_finish: Callable[[], None] | None = None, idle_poll_s: float = 0.0) -> RunRecord:
     """Play `arrivals` against `engine` in real time; return per-request timings and the run's counters."""
     assert not engine.has_work(), "the engine must be idle before a run"
-    traces = [RequestTrace(a.t_s, a.adapter, a.prompt_len, a.output_len) for a in arrivals]
-    by_id: dict[str, RequestTrace] = {}
-    counters = engine.residency.metrics
-    before = engine.metrics()
-    next_add = next_hint = 0
-    hints_on = hint_lead_s > 0
-    start = time.perf_counter()
-    while next_add < len(arrivals) or engine.has_work():
-        now = time.perf_counter() - start
-        while hints_on and next_hint < len(arrivals) and arrivals[next_hint].t_s - hint_lead_s <= now:
-            if arrivals[next_hint].adapter is not None:
-                engine.hint([adapter_names[arrivals[next_hint].adapter]])
-            next_hint += 1
-        while next_add < len(arrivals) and arrivals[next_add].t_s <= now:
-            a, trace = arrivals[next_add], traces[next_add]
+    return _Player(engine, arrivals, adapter_names, prompts, hint_lead_s, on_finish, idle_poll_s).play()
+
+
+class _Player:
+    def __init__(self, engine, arrivals, adapter_names, prompts, hint_lead_s, on_finish, idle_poll_s):
+        self.engine, self.arrivals, self.names, self.prompts = engine, arrivals, adapter_names, prompts
+        self.hint_lead_s, self.on_finish, self.idle_poll_s = hint_lead_s, on_finish, idle_poll_s
+        self.traces = [RequestTrace(a.t_s, a.adapter, a.prompt_len, a.output_len) for a in arrivals]
+        self.next_add = self.next_hint = 0
+        self.start = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def play(self) -> RunRecord:
+        engine, before = self.engine, self.engine.metrics()
+        self.start = time.perf_counter()
+        while self.next_add < len(self.arrivals) or engine.has_work():
+            self._send_hints()
+            self._add_arrivals()
+            only_loading = not engine.waiting and not engine.batch.rows
+            if engine.has_work() and not (only_loading and self.idle_poll_s > 0):
+                self._record(engine.step())
+            else:
+                self._idle()
+        return RunRecord(self.traces, metrics_delta(before, engine.metrics()), self.now())
+
+    def _send_hints(self) -> None:
+        if self.hint_lead_s <= 0:
+            return
+        while self.next_hint < len(self.arrivals) and self.arrivals[self.next_hint].t_s - self.hint_lead_s <= self.now():
+            adapter = self.arrivals[self.next_hint].adapter
+            if adapter is not None:
+                self.engine.hint([self.names[adapter]])
+            self.next_hint += 1
+
+    def _add_arrivals(self) -> None:
+        engine, counters = self.engine, self.engine.residency.metrics
+        while self.next_add < len(self.arrivals) and self.arrivals[self.next_add].t_s <= self.now():
+            i = self.next_add
+            a, trace = self.arrivals[i], self.traces[i]
             trace.arrived_to_queue = bool(engine.waiting)
             kinds = (counters.hint_hits, counters.inflight_hits, counters.misses)
             params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
-            adapter_id = None if a.adapter is None else adapter_names[a.adapter]
-            request = engine.add_request(prompts[next_add], adapter_id, params, request_id=f"r{next_add}")
+            engine.add_request(self.prompts[i], None if a.adapter is None else self.names[a.adapter], params,
+                               request_id=f"r{i}")
             after = (counters.hint_hits, counters.inflight_hits, counters.misses)
-            changed = [k for k, x, y in zip(("hit", "inflight", "miss"), kinds, after) if x != y]
-            trace.arrival_kind = changed[0] if changed else None
-            by_id[request.request_id] = trace
-            next_add += 1
-        if engine.has_work():
-            outputs = engine.step()
-            stamp = time.perf_counter() - start
-            for output in outputs:
-                if output.error is not None:
-                    raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-                trace = by_id[output.request_id]
-                trace.token_s += [stamp] * len(output.token_ids)
-                if output.finished:
-                    trace.finished_s = stamp
-                    if on_finish:
-                        on_finish()
-        else:  # idle: sleep until the next hint or arrival is due
-            due = [arrivals[next_add].t_s] if next_add < len(arrivals) else []
-            if hints_on and next_hint < len(arrivals):
-                due.append(arrivals[next_hint].t_s - hint_lead_s)
-            time.sleep(max(0.0, min(due) - (time.perf_counter() - start)) if due else 0.0)
-    wall = time.perf_counter() - start
-    return RunRecord(traces, metrics_delta(before, engine.metrics()), wall)
+            trace.arrival_kind = next((k for k, x, y in zip(("hit", "inflight", "miss"), kinds, after) if x != y), None)
+            self.next_add += 1
+
+    def _record(self, outputs) -> None:
+        stamp = self.now()
+        for output in outputs:
+            if output.error is not None:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+            trace = self.traces[int(output.request_id[1:])]
+            trace.token_s += [stamp] * len(output.token_ids)
+            if output.finished:
+                trace.finished_s = stamp
+                if self.on_finish:
+                    self.on_finish()
+
+    def _idle(self) -> None:
+        """Nothing to run: sleep until the next hint or arrival, polling in-flight loads every idle_poll_s."""
+        due = [self.arrivals[self.next_add].t_s] if self.next_add < len(self.arrivals) else []
+        if self.hint_lead_s > 0 and self.next_hint < len(self.arrivals):
+            due.append(self.arrivals[self.next_hint].t_s - self.hint_lead_s)
+        wait = min(due) - self.now() if due else 0.0
+        if self.engine.has_work():  # only loads are in flight
+            self._record(self.engine.step())
+            wait = min(wait, self.idle_poll_s) if due else self.idle_poll_s
+        time.sleep(max(0.0, wait))
 
 
 def metrics_delta(before: dict, after: dict) -> dict:

@@ -3,16 +3,27 @@ than plain LRU with 2S slots? Drives LLMEngine in real time (open loop) with see
 
     python -m bench.engine_bench --quick                         # make bench: CPU, small demo, < 10 min
     python -m bench.engine_bench --size small --slots 4 --workload uniform zipf --rate 3
-    python -m bench.engine_bench --size llama3-8b-shape --slots 8 --workload all --sweep      # H100
+    bash bench/device/gpu_engine_bench.sh                        # 1 x H100, Llama-3-8B shapes, one call
 
-Arms (see bench/arms.py): A prefetch + hints, S slots; B LRU, 2S slots; C sync loads, S slots;
-D all adapters resident (N <= S only); E the base model alone. One JSON per workload lands in
-bench/results/<device>-engine-<workload>.json, with PNGs beside it (bench/plots.py).
+Arms (bench/arms.py): A prefetch + hints, S slots; B LRU with synchronous loads, 2S slots; C
+synchronous loads, S slots; D all adapters resident (N <= S only); E the base model alone.
+Every run starts with empty slots and an empty host cache. A and B run first, workload by
+workload, so a run cut short by --time-budget-s still holds the main comparison.
+One JSON per workload lands in bench/results/<device>-engine-<workload>.json, PNGs beside it.
+
+Request counts. --quick (CPU, small demo, S = 4, N = 4 and 16, uniform / zipf / bursty-cv4):
+a sweep of 16 to 60 requests a step, then 6 s of arrivals a run at 75% of the saturating rate
+(about 40 requests), lengths x 1/16. The H100 script (Llama-3-8B shapes, S = 8, every workload at
+N = 8, 32, 128): 12 requests a run, lengths x 1/16, and no run started after 500 s. A first H100
+try (24 requests a run, all five N values, the default 5 ms GIL switch interval) found arm A
+saturating at 1.9 requests/s (uniform, N = 16, cold host cache), so each run took ~20 s and
+560 s covered only 22 runs of arm A.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,19 +32,19 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from app.config import EngineConfig
-from app.demo import SIZES, ensure_demo
+from app.demo import SIZES
 from bench import plots
-from bench.adapter_pool import random_adapters, scaled_copies
-from bench.arms import ARMS, build_engine, close_engine, play
-from bench.common import REPO_DEMO, RESULTS, write_result
+from bench.adapter_pool import prepare
+from bench.arms import ARMS, Engines, play
+from bench.common import RESULTS, write_result
 from bench.driver import vocab_ids
 from bench.stats import summarize
 from bench.workloads import LENGTH_MODES, WORKLOADS, make
 
-GPU_SIZE = "llama3-8b-shape"
 SWEEP_GROWTH = 1.5  # each sweep rate is this much above the last
 SATURATION_GAIN = 1.1  # throughput that grows less than this per step has saturated
 KEEP_UP = 0.8  # ... and so has one that finishes less than this share of the offered rate
+SWITCH_INTERVAL_S = 0.0005  # what deploy/replica.py sets, so engine and loader threads share the GIL as there
 SWEEP_MIN_REQUESTS = 16
 SWEEP_MAX_STEPS = 12
 # make bench: the small demo on CPU. The host cache holds about 3S packed adapters (60 MB / 4.8 MB), the
@@ -48,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"the make-bench preset: {QUICK}")
     p.add_argument("--size", default="small", choices=sorted(SIZES))
     p.add_argument("--demo-dir", type=Path, help="a built demo to use instead of demo/<size> (tiny/small)")
-    p.add_argument("--base", type=Path, help=f"{GPU_SIZE}: a saved base model folder (default: build one)")
+    p.add_argument("--base", type=Path, help="llama3-8b-shape: a saved base model folder (default: build one)")
     p.add_argument("--slots", type=int, default=4, help="S: device slots of arms A and C")
     p.add_argument("--n-values", type=int, nargs="+", help="adapter counts N (default: S/2 S 2S 4S 16S)")
     p.add_argument("--workload", nargs="+", default=["uniform"], help=f"'all' or some of {list(WORKLOADS)}")
@@ -63,9 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", default="slora", choices=LENGTH_MODES)
     p.add_argument("--length-scale", type=float, default=1.0, help="scale prompt and output lengths (CPU)")
     p.add_argument("--hint-lead-s", type=float, default=0.05, help="arm A's hint lead; 0 disables explicit hints")
+    p.add_argument("--idle-poll-s", type=float, default=0.0,
+                   help="sleep this long between steps while only loads are in flight (0: step on, as AsyncEngine)")
+    p.add_argument("--switch-interval-s", type=float, default=SWITCH_INTERVAL_S,
+                   help="sys.setswitchinterval for the run (the replica's setting by default)")
     p.add_argument("--rotate-s", type=float, default=2.0, help="bursty: seconds between hot-set moves")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--host-cache-mb", type=float, help="host cache budget (default: the engine's)")
+    p.add_argument("--time-budget-s", type=float, help="start no run that would end past this; write what ran")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--no-plots", action="store_true")
@@ -86,24 +102,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def prepare(args) -> tuple[Path, Path, list[str]]:
-    """(base model folder, adapter folder, adapter names), building what is missing."""
-    count = max(args.n_values)  # distinct runs at most this many requests, so it needs no more
-    if args.size == GPU_SIZE:
-        device = "cuda" if _cuda() else "cpu"
-        base = args.base or ensure_demo(REPO_DEMO / f"{GPU_SIZE}-base", size=GPU_SIZE, adapters=0, device=device) / "base"
-        adapter_dir = REPO_DEMO / f"{GPU_SIZE}-bench-adapters"
-        return base, adapter_dir, random_adapters(base, count, adapter_dir, rank=16, seed=args.seed, device=device)
-    demo = args.demo_dir or ensure_demo(REPO_DEMO / args.size, size=args.size)
-    adapter_dir = demo.parent / f"{demo.name}-bench-adapters"
-    return demo / "base", adapter_dir, scaled_copies(demo, count, adapter_dir)
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 def run_count(args, workload: str, rate: float) -> int:
     """Requests per run: --requests, or rate x --duration-s; distinct stops at the largest N (one adapter each)."""
     count = args.requests or max(4, round(rate * args.duration_s))
@@ -111,9 +109,10 @@ def run_count(args, workload: str, rate: float) -> int:
 
 
 def plan_runs(args, rate: float) -> list[tuple[str, int, str]]:
-    """(workload, N, arm), grouped so each engine is built once, arm A's first (the sweep's engine).
+    """(workload, N, arm) in the order to run them.
 
-    E runs once per workload: it ignores N. distinct has one N, its request count.
+    A and B first (two engines stay alive), then the arms on C's engine (C, D at N = S, E), then D
+    at smaller N. E runs once per workload: it ignores N. distinct has one N, its request count.
     """
     runs = []
     for workload in args.workload:
@@ -122,14 +121,15 @@ def plan_runs(args, rate: float) -> list[tuple[str, int, str]]:
             runs += [(workload, n, arm) for arm in args.arms if arm != "E" and ARMS[arm].applies(args.slots, n)]
         if "E" in args.arms:
             runs.append((workload, ns[0], "E"))
-    first = ARMS["A"].engine_key(args.slots, 0)
-    order = {arm: i for i, arm in enumerate("ACDBE")}
+    c_key = ARMS["C"].engine_key(args.slots, 0)
 
-    def key(run):
-        engine_key = ARMS[run[2]].engine_key(args.slots, run[1])
-        return engine_key != first, engine_key, order[run[2]]
+    def order(run):
+        workload, n, arm = run
+        key = ARMS[arm].engine_key(args.slots, n)
+        phase = 0 if arm in "AB" else 1 if key == c_key else 2
+        return phase, key if phase == 2 else (), args.workload.index(workload), n, "ABCDE".index(arm)
 
-    return sorted(runs, key=key)
+    return sorted(runs, key=order)
 
 
 def sweep(args, engine, names, vocab) -> dict:
@@ -145,11 +145,14 @@ def sweep(args, engine, names, vocab) -> dict:
     while len(steps) < SWEEP_MAX_STEPS:
         count = max(SWEEP_MIN_REQUESTS, round(rate * args.sweep_window_s))
         arrivals = make(workload, n, count, rate, args.seed, args.lengths, args.length_scale, args.slots)
-        summary = summarize(play(engine, ARMS["A"], arrivals, names, n, vocab, args.seed, args.hint_lead_s))
+        record = play(engine, ARMS["A"], arrivals, names, n, vocab, args.seed, args.hint_lead_s,
+                      idle_poll_s=args.idle_poll_s)
+        summary = summarize(record)
         offered = (count - 1) / max(arrivals[-1].t_s - arrivals[0].t_s, 1e-9)
         throughput = summary["request_throughput_per_s"]
         steps.append({"rate": rate, "offered": offered, "throughput": throughput, "requests": count,
-                      "ttft_p50_s": summary["ttft_s"]["p50"], "e2e_p50_s": summary["e2e_s"]["p50"]})
+                      "ttft_p50_s": summary["ttft_s"]["p50"], "e2e_p50_s": summary["e2e_s"]["p50"],
+                      "wall_s": record.wall_s})
         bar.update(1)
         bar.set_postfix(rate=f"{rate:.2f}", thr=f"{throughput:.2f}")
         stopped_growing = len(steps) > 1 and throughput < SATURATION_GAIN * steps[-2]["throughput"]
@@ -162,46 +165,19 @@ def sweep(args, engine, names, vocab) -> dict:
             "saturating_rate": saturating, "rate": 0.75 * saturating}
 
 
-def model_shape(engine) -> dict:
-    c = engine.model_config
-    return {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": c.num_attention_heads,
-            "kv_heads": c.num_key_value_heads, "intermediate": c.intermediate_size, "vocab": c.vocab_size,
-            "dtype": str(engine.dtype), "device": str(engine.device),
-            "slot_bytes": engine.residency.layout.nbytes(engine.dtype)}
-
-
-class Engines:
-    """At most one engine alive at a time (an 8B base fills much of a GPU): built on demand, reused by key."""
-
-    def __init__(self, config: EngineConfig, names: list[str], adapter_dir: Path):
-        self.config, self.names, self.adapter_dir = config, names, adapter_dir
-        self.engine, self.key, self.shape, self.build_s = None, None, None, []
-
-    def get(self, key: tuple[int, bool]):
-        if key != self.key:
-            self.close()
-            start = time.perf_counter()
-            self.engine, self.key = build_engine(self.config, *key, self.names, self.adapter_dir), key
-            self.build_s.append(time.perf_counter() - start)
-            self.shape = self.shape or model_shape(self.engine)
-        return self.engine
-
-    def close(self) -> None:
-        if self.engine is not None:
-            engine, self.engine, self.key = self.engine, None, None
-            close_engine(engine)
-
-
 def payload(args, workload: str, by_n: dict, rate: float, sweep_info, engines: Engines, timings: dict,
-            complete: bool) -> dict:
+            skipped: list) -> dict:
+    skipped_here = [{"n": n, "arm": arm} for w, n, arm in skipped if w == workload]
     return {
-        "benchmark": "engine", "complete": complete, "workload": workload,
-        "workload_spec": asdict(WORKLOADS[workload]), "size": args.size, "model": engines.shape,
-        "slots": args.slots, "n_values": sorted(int(n) for n in by_n), "arms": {a: ARMS[a].label for a in args.arms},
+        "benchmark": "engine", "complete": "total" in timings and not skipped_here, "skipped_runs": skipped_here,
+        "workload": workload, "workload_spec": asdict(WORKLOADS[workload]), "size": args.size,
+        "model": engines.shape, "slots": args.slots, "n_values": sorted(int(n) for n in by_n),
+        "arms": {a: ARMS[a].label for a in args.arms},
         "rate": rate, "rate_source": "sweep" if args.sweep else "fixed", "sweep": sweep_info,
         "requests_per_run": run_count(args, workload, rate), "lengths": args.lengths,
-        "length_scale": args.length_scale, "hint_lead_s": args.hint_lead_s, "rotate_s": args.rotate_s,
-        "seeds": {"trace": args.seed, "prompts": args.seed, "adapters": args.seed},
+        "length_scale": args.length_scale, "hint_lead_s": args.hint_lead_s, "idle_poll_s": args.idle_poll_s,
+        "switch_interval_s": args.switch_interval_s,
+        "rotate_s": args.rotate_s, "seeds": {"trace": args.seed, "prompts": args.seed, "adapters": args.seed},
         "max_batch_size": args.max_batch_size, "host_cache_bytes": engines.config.host_cache_bytes,
         "quick": args.quick, "timings_s": {**timings, "engine_builds": engines.build_s}, "results": by_n,
     }
@@ -210,8 +186,17 @@ def payload(args, workload: str, by_n: dict, rate: float, sweep_info, engines: E
 def main(argv=None) -> list[Path]:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # one bar per engine build would break up ours
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(args.switch_interval_s)
+    try:
+        return run(args)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def run(args) -> list[Path]:
     started = time.perf_counter()
-    base, adapter_dir, names = prepare(args)
+    base, adapter_dir, names = prepare(args.size, max(args.n_values), args.seed, args.demo_dir, args.base)
     timings = {"prepare": time.perf_counter() - started}
     config = EngineConfig(base_model=str(base), adapter_roots=(str(adapter_dir),), num_slots=args.slots,
                           max_rank=16, max_batch_size=args.max_batch_size,
@@ -224,34 +209,36 @@ def main(argv=None) -> list[Path]:
         rate = sweep_info["rate"]
         timings["sweep"] = time.perf_counter() - started - timings["prepare"]
     results: dict[str, dict] = {w: {} for w in args.workload}
-
-    def write(complete: bool) -> list[Path]:
-        timings["total"] = time.perf_counter() - started
-        return [write_result(f"engine-{w}", payload(args, w, by_n, rate, sweep_info, engines, timings, complete),
-                             args.results_dir) for w, by_n in results.items()]
-
-    runs = plan_runs(args, rate)
+    runs, skipped = plan_runs(args, rate), []
     base_runs: dict[tuple, dict] = {}  # E's trace -> its summary: workloads that share a trace share E
     bar = tqdm(total=sum(run_count(args, w, rate) for w, _, _ in runs), unit="req")
+    last_wall = 0.0
     for workload, n, arm_name in runs:
         arm, key = ARMS[arm_name], ARMS[arm_name].engine_key(args.slots, n)
-        if engines.key is not None and key != engines.key:
-            write(complete=False)  # a long GPU run that is cut off still leaves what it measured
+        count = run_count(args, workload, rate)
+        needed = max(last_wall, count / rate) + (0 if key in engines.alive else max(engines.build_s, default=0))
+        if args.time_budget_s and time.perf_counter() - started + needed > args.time_budget_s:
+            skipped.append((workload, n, arm_name))
+            continue
         engine = engines.get(key)
         bar.set_description(f"{workload} N={n} {arm_name}")
-        arrivals = make(workload, n, run_count(args, workload, rate), rate, args.seed, args.lengths,
-                        args.length_scale, args.slots, args.rotate_s)
+        arrivals = make(workload, n, count, rate, args.seed, args.lengths, args.length_scale, args.slots, args.rotate_s)
         trace = tuple((a.t_s, a.prompt_len, a.output_len) for a in arrivals)
         if arm.base_only and trace in base_runs:
             summary = {**base_runs[trace], "same_trace_as": base_runs[trace]["workload"]}
             bar.update(len(arrivals))
         else:
             record = play(engine, arm, arrivals, names, n, vocab_ids(engine.tokenizer), args.seed, args.hint_lead_s,
-                          on_finish=lambda: bar.update(1))
+                          on_finish=lambda: bar.update(1), idle_poll_s=args.idle_poll_s)
             summary = {**summarize(record), "slots": key[0], "workload": workload}
+            last_wall = record.wall_s
             if arm.base_only:
                 base_runs[trace] = summary
         results[workload].setdefault(str(n), {})[arm_name] = summary
+        # Written after every run, so a run killed from outside still leaves what it measured.
+        write_result(f"engine-{workload}", payload(args, workload, results[workload], rate, sweep_info, engines,
+                                                   {**timings, "elapsed": time.perf_counter() - started}, skipped),
+                     args.results_dir)
     bar.close()
     engines.close()
     for by_n in results.values():  # E ignores N: show its one run under every N
@@ -259,11 +246,14 @@ def main(argv=None) -> list[Path]:
         for arms in by_n.values():
             if e is not None:
                 arms["E"] = e
-    paths = write(complete=True)
+    timings["total"] = time.perf_counter() - started
+    paths = [write_result(f"engine-{w}", payload(args, w, by_n, rate, sweep_info, engines, timings, skipped),
+                          args.results_dir) for w, by_n in results.items() if by_n]
     if not args.no_plots:
         for path in paths:
             plots.plot_result(path)
-    print(f"wrote {len(paths)} results in {time.perf_counter() - started:.0f}s:", *map(str, paths), sep="\n  ")
+    print(f"wrote {len(paths)} results in {timings['total']:.0f}s ({len(skipped)} runs skipped for time):",
+          *map(str, paths), sep="\n  ")
     return paths
 
 

@@ -45,10 +45,14 @@ def plot_ttft_cdf(result: dict, path: Path) -> None:
         ax.set_xscale("log")
         _log_seconds(ax.xaxis)
         ax.set_title(f"N = {n}")
-        ax.set_xlabel("TTFT (s)")
+        ax.set_xlabel("TTFT")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("fraction of requests")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    labeled = {}  # every arm once, though D appears only in panels with N <= S
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labeled.setdefault(label, handle)
+    axes[0][-1].legend(labeled.values(), labeled.keys(), fontsize=7, loc="lower right")
     fig.suptitle(_title(result), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from prefetch.host_cache import HostCache
@@ -106,13 +107,26 @@ class PrefetchPipeline:
         load = self.loads.get(slot)
         return load is not None and load.transfer is not None
 
-    def wait_usable(self, slot: int) -> None:
-        """Block the host until the slot's device copy is issued (stall path only)."""
+    def wait_usable(self, slot: int, timeout_s: float | None = None) -> None:
+        """Block the host until the slot's device copy is issued, or timeout_s passes (stall path)."""
         load = self.loads.get(slot)
         if load is None or load.transfer is not None:
             return
-        load.host.exception()  # waits; errors surface in _issue
+        try:
+            load.host.exception(timeout=timeout_s)  # errors surface in _issue
+        except FutureTimeout:
+            return
         self._issue(load)
+
+    def wait_any(self, timeout_s: float | None) -> None:
+        """Block until some load in flight makes progress, or timeout_s passes."""
+        pending = [load.host for load in self.loads.values() if load.transfer is None]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        else:
+            for load in list(self.loads.values()):
+                load.transfer.wait()
+        self.poll()
 
     def before_forward(self, slots) -> None:
         """Order the forward after in-flight copies into the slots it reads."""

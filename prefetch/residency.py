@@ -119,22 +119,18 @@ class Residency:
         self.metrics.observe_stall(time.perf_counter() - start)
         return self.pool.lookup(adapter_id)
 
-    def stall_for(self, adapter_id: str | None, pinned: list[int]) -> None:
-        """Nothing can run until adapter_id is usable: block the host until its copy is issued."""
+    def stall_for(self, adapter_id: str | None, timeout_s: float | None = None) -> None:
+        """Nothing can run until adapter_id is usable: make sure its load is under way, then wait
+        for it (at most timeout_s, so new arrivals are not locked out; None waits until usable)."""
         if adapter_id is None:
             return
-        start = time.perf_counter()
         if self.pool.lookup(adapter_id) is None:
             slot = self._planned_slot(adapter_id)
-            if slot is None:  # every slot is mid-load: let them land first
-                self.pipeline.drain()
-                slot = self._planned_slot(adapter_id)
-            if slot is None:
+            if slot is None:  # every slot is mid-load or pinned: wait for one to settle
+                self.pipeline.wait_any(timeout_s)
                 return
             self.pipeline.start_load(adapter_id, slot, is_prefetch=False)
-        slot = self.pool.lookup(adapter_id)
-        self.pipeline.wait_usable(slot)
-        self.metrics.observe_stall(time.perf_counter() - start)
+        self.pipeline.wait_usable(self.pool.lookup(adapter_id), timeout_s)
 
     def before_forward(self, slots) -> None:
         self.pipeline.before_forward(slots)

@@ -4,6 +4,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+(python3 -m app.demo --out demo/tiny > /dev/null 2>&1 &)
 echo "== forward"; timeout 170 python3 -m bench.forward_bench --size llama3-8b-shape --batch 32 --context 512 --iters 15 2>&1 \
   | grep -E "distinct|gb_per|wrote" | tee "$OUT/forward.log"
 echo "== engine"; timeout 330 python3 -m bench.engine_bench --size llama3-8b-shape --slots 8 --n-values 8 32 \

@@ -281,7 +281,9 @@ class LLMEngine:
     # --- adapters, introspection ----------------------------------------------------------------
 
     def _read_weights(self, adapter_id: str, dtype: torch.dtype):
-        return load_weights(self.registry.get(adapter_id), dtype)  # worker thread; the registry locks
+        # Worker thread. The residency bound-checks the packed weights (NaN/Inf included), so the
+        # registry's own NaN scan would only read every byte a second time.
+        return load_weights(self.registry.get(adapter_id), dtype, check_finite=False)
 
     def register_adapter(self, adapter_id: str, path: str):
         return self.registry.register(adapter_id, path)

@@ -139,3 +139,31 @@ def test_out_of_vocabulary_token_ids_are_refused_without_touching_others(make_en
         engine.add_request("\ud800", None, greedy(2))
     request = engine.add_request(manifest["prompts"][0], None, greedy(3))
     assert len(run_all(engine, check=True)[request.request_id]) >= 1
+
+
+def test_nan_written_after_registration_fails_that_adapter_at_load(make_engine, demo_dir, manifest, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    victim = tmp_path / "victim"
+    shutil.copytree(f"{demo_dir}/{manifest['adapters'][1]['path']}", victim)
+    engine = make_engine(register=False, adapter_roots=(str(tmp_path),))
+    engine.register_adapter("victim", str(victim))
+    tensors = load_file(victim / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = torch.full_like(tensors[key], float("nan"))  # same size: only the values change
+    with safe_open(str(victim / "adapter_model.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, victim / "adapter_model.safetensors", metadata=metadata)
+    engine.add_request(manifest["prompts"][0], "victim", greedy(4))
+    healthy = engine.add_request(manifest["prompts"][0], None, greedy(4))
+    errors, tokens = [], {}
+    while engine.has_work():
+        for output in engine.step():
+            if output.error is not None:
+                errors.append(output.error)
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    assert len(errors) == 1 and isinstance(errors[0], AdapterLoadFailed) and "limit" in str(errors[0])
+    assert len(tokens[healthy.request_id]) == 4
+    engine.check_invariants()

@@ -141,24 +141,24 @@ def test_replica_killed_mid_stream_ends_cleanly_and_is_replaced(faults_cluster):
 
 def test_non_streaming_requests_are_retried_when_their_replica_dies(faults_cluster):
     """The client had seen no token, so the ingress retries them once on another replica."""
-    url, results = faults_cluster.url, []
+    url, results, tokens = faults_cluster.url, [], 450  # the demo model holds 512 positions
     threads = [threading.Thread(target=lambda: results.append(
-        completion(url, "wizard", max_tokens=300, ignore_eos=True))) for _ in range(3)]
+        completion(url, "wizard", max_tokens=tokens, ignore_eos=True))) for _ in range(12)]
     for t in threads:
         t.start()
-    deadline = time.time() + 30
-    while time.time() < deadline:
+    busy, deadline = [], time.time() + 30
+    while not busy and time.time() < deadline:
         busy = [uid for uid, v in faults_cluster.replicas().items() if v["running"] > 0]
-        if busy:
-            break
         time.sleep(0.05)
+    if not busy:
+        pytest.fail("no replica reported the long requests running")
     victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith("SERVE_REPLICA") and a["name"].endswith(busy[0]))
     ray.kill(ray.get_actor(victim, namespace="serve"))
     for t in threads:
         t.join()
-    assert [r.status_code for r in results] == [200] * 3, [r.text[:200] for r in results]
-    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in results)
+    assert [r.status_code for r in results] == [200] * 12, [r.text[:200] for r in results]
+    assert all(r.json()["usage"]["completion_tokens"] == tokens for r in results)
     faults_cluster.wait_for_replicas(2)
 
 

@@ -95,7 +95,7 @@ def bench_backend(kind, args, device, dtype):
         for distinct in configs if pass_index == 0 else reversed(configs):
             slot_of_row = [None] * args.batch if distinct == 0 else [i % distinct for i in range(args.batch)]
 
-            def forward(slots=slot_of_row, **inputs):
+            def forward(slots=slot_of_row, backend=backend, **inputs):
                 return backend.forward(slots if slots is not None else [None] * inputs["input_ids"].shape[0],
                                        **inputs)
 

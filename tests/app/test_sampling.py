@@ -50,7 +50,7 @@ def test_stop_strings_truncate_engine_output(make_engine, manifest, adapter_name
     text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert stop.strip(), text
-    request = engine.add_request(prompt, adapter_names[0], SamplingParams(max_tokens=24, temperature=0, stop=(stop,)))
+    engine.add_request(prompt, adapter_names[0], SamplingParams(max_tokens=24, temperature=0, stop=(stop,)))
     streamed, last = "", None
     while engine.has_work():
         for output in engine.step():

@@ -33,6 +33,7 @@ class HostCache:
     def __init__(self, budget_bytes: int, read_fn: Callable[[str], HostAdapter], workers: int = 2):
         self.budget_bytes = budget_bytes
         self._read_fn = read_fn
+        self.workers = workers
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-read")
         self._entries: OrderedDict[str, HostAdapter] = OrderedDict()
         self._reads: dict[str, Future[HostAdapter]] = {}
@@ -41,6 +42,30 @@ class HostCache:
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
+
+    def has(self, adapter_id: str) -> bool:
+        """Cached, or being read."""
+        return adapter_id in self._entries or adapter_id in self._reads
+
+    def pending_reads(self) -> int:
+        return sum(not f.done() for f in self._reads.values())
+
+    def absorb_finished(self, waited_on: set[str] = frozenset()) -> None:
+        """Move finished warming reads (ones no load waits on) into the LRU; drop failed ones, so a
+        later load reads the adapter again and reports why."""
+        for adapter_id, future in list(self._reads.items()):
+            if future.done() and adapter_id not in waited_on:
+                if future.exception() is None:
+                    self.collect(adapter_id)
+                else:
+                    del self._reads[adapter_id]
+
+    def adopt(self, adapter_id: str) -> None:
+        """A load took this adapter's read: keep the result in the LRU as most recently used."""
+        if adapter_id in self._reads:
+            self.collect(adapter_id)
+        elif adapter_id in self._entries:
+            self._entries.move_to_end(adapter_id)
 
     def fetch(self, adapter_id: str) -> Future[HostAdapter]:
         """Start (or join) the read of adapter_id. The future's result is also kept in the LRU."""

@@ -39,6 +39,7 @@ class PrefetchPipeline:
         self.loads: dict[int, Load] = {}
         self.failures: dict[str, Exception] = {}  # adapter_id -> why its last load failed
         self._slot_nbytes = [0] * len(pool)  # bytes of the load now in each slot
+        self._largest_load = 1  # bytes of the largest adapter copied so far, to size host warming
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -48,7 +49,22 @@ class PrefetchPipeline:
         result = plan(view_of(self.pool), demand, self.max_inflight - len(self.loads))
         for adapter_id, slot in result.loads:
             self.start_load(adapter_id, slot, is_prefetch=True)
+        self._warm_host(demand)
         return result
+
+    def _warm_host(self, demand: list[str]) -> None:
+        """Read demanded adapters that got no slot into the host cache now.
+
+        Disk -> host is the slow tier (hundreds of ms for an 8B-shape adapter, against ~2 ms for the
+        copy), so when every slot is busy a hint still pays off: the later load is only the copy.
+        """
+        budget = self.host_cache.budget_bytes // max(self._largest_load, 1)
+        for adapter_id in dict.fromkeys(demand):
+            if budget <= 0 or self.host_cache.pending_reads() >= self.host_cache.workers:
+                break
+            if self.pool.lookup(adapter_id) is None and not self.host_cache.has(adapter_id):
+                self.host_cache.fetch(adapter_id)
+            budget -= 1
 
     def start_load(self, adapter_id: str, slot: int, is_prefetch: bool) -> None:
         evicted, was_used = self.pool.begin_load(slot, adapter_id)
@@ -74,6 +90,7 @@ class PrefetchPipeline:
 
     def poll(self) -> None:
         """Advance every load one stage without blocking."""
+        self.host_cache.absorb_finished({load.adapter_id for load in self.loads.values() if load.transfer is None})
         for load in list(self.loads.values()):
             if load.transfer is None:
                 if load.host.done():
@@ -83,7 +100,8 @@ class PrefetchPipeline:
 
     def _issue(self, load: Load) -> None:
         try:
-            host = self.host_cache.collect(load.adapter_id)
+            host = load.host.result()  # the read's own result: LRU eviction cannot take it from us
+            self.host_cache.adopt(load.adapter_id)
         except Exception as e:  # the adapter's files vanished or changed: fail it alone
             del self.loads[load.slot]
             self.pool.fail_load(load.slot)
@@ -92,6 +110,7 @@ class PrefetchPipeline:
             self.metrics.load_failures += 1
             return
         self._slot_nbytes[load.slot] = host.nbytes
+        self._largest_load = max(self._largest_load, host.nbytes)
         load.transfer = self.copier.start(load.slot, host)
 
     def _finish(self, load: Load) -> None:

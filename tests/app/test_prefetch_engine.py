@@ -1,0 +1,35 @@
+"""Hints reach the tiers they can: a slot when one is free, else at least the host cache."""
+
+import time
+
+from engine_helpers import greedy, run_all
+
+
+def test_hint_warms_host_cache_when_every_slot_is_pinned(make_engine, manifest, adapter_names):
+    engine = make_engine(num_slots=1)
+    busy, hinted = adapter_names[0], adapter_names[1]
+    engine.add_request(manifest["prompts"][0], busy, greedy(60, ignore_eos=True))
+    engine.step()  # running: the only slot is pinned
+    engine.hint([hinted])
+    deadline = time.time() + 10
+    while hinted not in engine.residency.host_cache and time.time() < deadline:
+        engine.step()
+    assert hinted in engine.residency.host_cache, "the hint did not start a disk read"
+    assert engine.residency.pool.lookup(hinted) is None, "no slot was free, so nothing may be evicted"
+    engine.check_invariants()
+    run_all(engine, check=True)
+    reads = engine.residency.host_cache.stats["reads"]
+    request = engine.add_request(manifest["prompts"][0], hinted, greedy(4))
+    assert len(run_all(engine, check=True)[request.request_id]) == 4
+    assert engine.residency.host_cache.stats["reads"] == reads, "the load re-read the adapter from disk"
+
+
+def test_hint_loads_into_a_free_slot(make_engine, adapter_names):
+    engine = make_engine(num_slots=2)
+    engine.hint([adapter_names[2]])
+    deadline = time.time() + 10
+    while engine.residency.is_loading() and time.time() < deadline:
+        engine.step()
+    assert adapter_names[2] in engine.routing_stats()["resident"]
+    metrics = engine.metrics()
+    assert metrics["hints_received"] == 1 and metrics["loads_started"] == 1

@@ -69,6 +69,11 @@ class PrefetchMetrics:
             "evictions": self.evictions,
             "wasted_prefetches": self.wasted_prefetches,
             "wasted_prefetch_bytes": self.wasted_prefetch_bytes,
+            "load_seconds": {  # from a load's start (disk read included) to its slot being ready
+                "count": len(self.load_seconds),
+                "p50": sorted(self.load_seconds)[len(self.load_seconds) // 2] if self.load_seconds else None,
+                "max": max(self.load_seconds, default=None),
+            },
             "tiers": {
                 "disk_to_host": {
                     "bytes": host_stats["read_bytes"],

@@ -33,3 +33,17 @@ def test_hint_loads_into_a_free_slot(make_engine, adapter_names):
     assert adapter_names[2] in engine.routing_stats()["resident"]
     metrics = engine.metrics()
     assert metrics["hints_received"] == 1 and metrics["loads_started"] == 1
+
+
+def test_metrics_snapshot_reports_every_tier(make_engine, manifest, adapter_names):
+    engine = make_engine(num_slots=2)
+    for adapter in adapter_names[:4]:
+        engine.add_request(manifest["prompts"][0], adapter, greedy(3))
+    run_all(engine, check=True)
+    metrics = engine.metrics()
+    assert metrics["loads_started"] == 4 and metrics["evictions"] == 2
+    assert metrics["load_seconds"]["count"] == 4 and metrics["load_seconds"]["p50"] > 0
+    assert metrics["tiers"]["disk_to_host"]["reads"] == 4 and metrics["tiers"]["disk_to_host"]["bytes"] > 0
+    assert metrics["tiers"]["host_to_device"]["bytes"] == metrics["tiers"]["disk_to_host"]["bytes"]
+    assert metrics["misses"] + metrics["hint_hits"] + metrics["inflight_hits"] == 4
+    assert metrics["queue_length"] == 0 and metrics["batch_size"] == 0

@@ -6,7 +6,6 @@ reads the file again, because files may change or vanish after registration.
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -15,55 +14,31 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
-from peft import LoraConfig
-from peft.tuners.tuners_utils import check_target_module_exists
-from peft.utils.other import get_pattern_key
-from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
+from app.adapter_format import (
+    CONFIG_NAME,
+    PICKLE_SUFFIXES,
+    WEIGHTS_NAME,
+    check_config_matches,
+    read_config,
+    read_modules,
+    short_name,
+)
 from app.errors import (
     AdapterAlreadyExists,
-    AdapterConfigMismatch,
     AdapterFormatError,
     AdapterInvalid,
     AdapterLoadFailed,
-    AdapterNonFinite,
     AdapterNotFound,
     AdapterPathOutsideRoots,
     AdapterRankTooHigh,
-    AdapterShapeMismatch,
-    AdapterTargetUnsupported,
     AdapterTooLarge,
 )
 from app.targets import SUPPORTED_TARGETS, target_shapes
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
-
 _ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# PEFT saves `base_model.model.<module>.<rest>`; `rest` starts at the first lora_* or base_layer segment.
-_TENSOR_KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+?)\.(?P<rest>(?:lora_|base_layer).*)")
-_SERVED_PARTS = {"lora_A.weight": "A", "lora_B.weight": "B"}
-
-# LoraConfig fields whose truthy value changes the forward pass in ways our batched kernel does not compute.
-_UNSERVED_FEATURES = (
-    ("use_dora", "DoRA (use_dora)", AdapterInvalid),
-    ("lora_bias", "a bias on lora_B (lora_bias)", AdapterInvalid),
-    ("fan_in_fan_out", "transposed weights (fan_in_fan_out)", AdapterInvalid),
-    ("layer_replication", "layer_replication", AdapterInvalid),
-    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)", AdapterInvalid),
-    ("use_qalora", "QA-LoRA (use_qalora)", AdapterInvalid),
-    ("use_bdlora", "block-diagonal LoRA (use_bdlora)", AdapterInvalid),
-    ("megatron_config", "Megatron parallel layers (megatron_config)", AdapterInvalid),
-    ("modules_to_save", "fully trained extra modules (modules_to_save)", AdapterTargetUnsupported),
-    ("target_parameters", "LoRA on raw parameters (target_parameters)", AdapterTargetUnsupported),
-    ("trainable_token_indices", "trainable token embeddings (trainable_token_indices)", AdapterTargetUnsupported),
-)
-# These inits rewrite the base weights, so the adapter is only right on top of its own residual base model.
-_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
-
 
 def validate_adapter_id(adapter_id: str) -> str:
     """Return `adapter_id` if it is a safe name (it ends up in URLs, logs and metrics labels)."""
@@ -125,7 +100,7 @@ class AdapterRegistry:
         self.base_shapes = {
             module: shape
             for module, shape in target_shapes(base_config).items()
-            if _short_name(module) in self.supported_targets
+            if short_name(module) in self.supported_targets
         }
         self._lock = threading.Lock()
         self._adapter_id_to_spec: dict[str, AdapterSpec] = {}
@@ -178,21 +153,21 @@ class AdapterRegistry:
             raise AdapterTooLarge(
                 f"adapter '{adapter_id}': {WEIGHTS_NAME} is {nbytes} bytes > max_adapter_bytes {self.max_adapter_bytes}"
             )
-        config = _read_config(adapter_id, config_file)
-        modules = _read_modules(adapter_id, weights_file, self.supported_targets, self.base_shapes, self.num_layers)
+        config = read_config(adapter_id, config_file)
+        modules = read_modules(adapter_id, weights_file, self.supported_targets, self.base_shapes, self.num_layers)
         module_ranks = {module: a.shape[0] for module, (a, _) in modules.items()}
         rank = max(module_ranks.values())
         if rank > self.max_rank:
             raise AdapterRankTooHigh(
                 f"adapter '{adapter_id}': rank {rank} > max_rank {self.max_rank} (set max_rank >= {rank})"
             )
-        module_scales = _check_config_matches(adapter_id, config, module_ranks, self.base_shapes)
+        module_scales = check_config_matches(adapter_id, config, module_ranks, self.base_shapes)
         return AdapterSpec(
             adapter_id=adapter_id,
             path=folder,
             weights_file=weights_file,
             rank=rank,
-            target_modules=frozenset(_short_name(module) for module in modules),
+            target_modules=frozenset(short_name(module) for module in modules),
             module_ranks=MappingProxyType(module_ranks),
             module_scales=MappingProxyType(module_scales),
             module_shapes=MappingProxyType({module: self.base_shapes[module] for module in modules}),
@@ -253,7 +228,7 @@ def load_weights(spec: AdapterSpec, dtype: torch.dtype | None = None, check_fini
                 f"adapter '{spec.adapter_id}': {file} was changed or replaced since registration "
                 f"({spec.nbytes} bytes then, {nbytes} now); re-register it"
             )
-        modules = _read_modules(spec.adapter_id, file, spec.target_modules, spec.module_shapes, None, check_finite)
+        modules = read_modules(spec.adapter_id, file, spec.target_modules, spec.module_shapes, None, check_finite)
     except OSError as e:
         raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': cannot read {file}: {e.strerror or e}") from e
     except AdapterInvalid as e:
@@ -271,139 +246,3 @@ def load_weights(spec: AdapterSpec, dtype: torch.dtype | None = None, check_fini
         )
         for module, (a, b) in modules.items()
     }
-
-
-def _short_name(module: str) -> str:
-    return module.rsplit(".", 1)[-1]
-
-
-def _read_config(adapter_id: str, config_file: Path) -> LoraConfig:
-    """Parse with PEFT from the local file only (never the Hub), then refuse what we do not serve."""
-    try:
-        raw = LoraConfig.from_json_file(str(config_file))
-        if not isinstance(raw, dict):
-            raise ValueError("top level is not a JSON object")
-        if raw.get("peft_type") != "LORA":
-            raise AdapterInvalid(
-                f"adapter '{adapter_id}': peft_type is {raw.get('peft_type')!r}; only 'LORA' adapters are served"
-            )
-        config = LoraConfig.from_peft_type(**raw)  # drops keys from newer PEFT versions, with a warning
-    except (OSError, ValueError, TypeError) as e:
-        raise AdapterFormatError(f"adapter '{adapter_id}': {CONFIG_NAME} is not a valid LoRA config: {e}") from e
-    for field, feature, error in _UNSERVED_FEATURES:
-        if getattr(config, field, None):
-            raise error(f"adapter '{adapter_id}': {feature} is not served; retrain or merge without it")
-    if config.bias != "none":
-        raise AdapterInvalid(f"adapter '{adapter_id}': bias={config.bias!r} trains base biases; only 'none' is served")
-    init = str(config.init_lora_weights).lower()
-    if init.startswith(_BASE_MODIFYING_INITS):
-        raise AdapterInvalid(
-            f"adapter '{adapter_id}': init_lora_weights={config.init_lora_weights!r} modifies the base weights; "
-            "save it with save_pretrained(..., path_initial_model_for_weight_conversion=...) to make a plain LoRA"
-        )
-    return config
-
-
-def _read_modules(
-    adapter_id: str,
-    weights_file: Path,
-    supported_targets: frozenset[str],
-    base_shapes: Mapping[str, tuple[int, int]],
-    num_layers: int | None,
-    check_finite: bool = True,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module path -> (A [r, in], B [out, r]), after checking keys, targets, shapes and finiteness."""
-    try:
-        with safe_open(str(weights_file), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise AdapterFormatError(f"adapter '{adapter_id}': {WEIGHTS_NAME} is not readable safetensors: {e}") from e
-    if not tensors:
-        raise AdapterFormatError(f"adapter '{adapter_id}': {WEIGHTS_NAME} holds no tensors")
-
-    module_to_parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in sorted(tensors.items()):
-        match = _TENSOR_KEY_RE.fullmatch(key)
-        if match is None:
-            raise AdapterFormatError(
-                f"adapter '{adapter_id}': unexpected tensor {key!r}; expected "
-                "'base_model.model.<module>.lora_A.weight' and '.lora_B.weight'"
-            )
-        module, rest = match["module"], match["rest"]
-        if _short_name(module) not in supported_targets:
-            raise AdapterTargetUnsupported(
-                f"adapter '{adapter_id}': tensor {key!r} targets {module}; "
-                f"supported targets are {sorted(supported_targets)}"
-            )
-        if module not in base_shapes:
-            layers = f" (it has {num_layers} layers)" if num_layers is not None else ""
-            raise AdapterShapeMismatch(f"adapter '{adapter_id}': the base model has no module {module}{layers}")
-        if rest not in _SERVED_PARTS:
-            raise AdapterFormatError(
-                f"adapter '{adapter_id}': unexpected tensor {key!r}; only lora_A.weight and lora_B.weight are served"
-            )
-        if not tensor.dtype.is_floating_point:
-            raise AdapterFormatError(f"adapter '{adapter_id}': tensor {key!r} has dtype {tensor.dtype}, not a float")
-        if check_finite and not torch.isfinite(tensor).all():
-            num_bad = int((~torch.isfinite(tensor)).sum())
-            raise AdapterNonFinite(
-                f"adapter '{adapter_id}': tensor {key!r} has {num_bad} NaN/Inf values of {tensor.numel()}"
-            )
-        module_to_parts.setdefault(module, {})[_SERVED_PARTS[rest]] = tensor
-
-    modules = {}
-    for module, parts in module_to_parts.items():
-        if len(parts) != 2:
-            missing = "lora_B" if "A" in parts else "lora_A"
-            raise AdapterFormatError(f"adapter '{adapter_id}': module {module} has no {missing}.weight tensor")
-        a, b = parts["A"], parts["B"]
-        in_features, out_features = base_shapes[module]
-        r = a.shape[0] if a.ndim == 2 else -1
-        if r < 1 or tuple(a.shape) != (r, in_features) or tuple(b.shape) != (out_features, r):
-            raise AdapterShapeMismatch(
-                f"adapter '{adapter_id}': module {module} expects lora_A [r, {in_features}] and "
-                f"lora_B [{out_features}, r], got {list(a.shape)} and {list(b.shape)} "
-                "(was the adapter trained on a different base model?)"
-            )
-        modules[module] = (a, b)
-    return modules
-
-
-def _check_config_matches(
-    adapter_id: str,
-    config: LoraConfig,
-    module_ranks: Mapping[str, int],
-    base_shapes: Mapping[str, tuple[int, int]],
-) -> dict[str, float]:
-    """Check that the config describes the tensors (ranks, targets); return module path -> scale as PEFT computes it."""
-    selected = {module for module in base_shapes if check_target_module_exists(config, module)}
-    untargeted = sorted(set(module_ranks) - selected)
-    if untargeted:
-        raise AdapterConfigMismatch(
-            f"adapter '{adapter_id}': {len(untargeted)} modules have tensors but target_modules="
-            f"{_targets_text(config)} does not select them, e.g. {untargeted[:3]}"
-        )
-    without_tensors = sorted(selected - set(module_ranks))
-    if without_tensors:
-        raise AdapterConfigMismatch(
-            f"adapter '{adapter_id}': target_modules={_targets_text(config)} selects {len(without_tensors)} "
-            f"modules of the base model that have no tensors, e.g. {without_tensors[:3]}"
-        )
-    rank_pattern, alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
-    module_scales = {}
-    for module, tensor_rank in module_ranks.items():
-        # Same lookup as peft.tuners.lora.LoraModel._create_and_replace.
-        r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.r)
-        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.lora_alpha)
-        if tensor_rank != r:
-            raise AdapterConfigMismatch(
-                f"adapter '{adapter_id}': module {module} has rank {tensor_rank} in its tensors but {r} in "
-                f"{CONFIG_NAME} (r / rank_pattern)"
-            )
-        module_scales[module] = alpha / math.sqrt(r) if config.use_rslora else alpha / r
-    return module_scales
-
-
-def _targets_text(config: LoraConfig) -> str:
-    targets = config.target_modules
-    return repr(targets) if isinstance(targets, str) else repr(sorted(targets or ()))

@@ -183,9 +183,6 @@ class LLMEngine:
             prefill_tokens += len(request.prompt_ids)
         return admitted
 
-    def _pinned_slots(self) -> list[int]:
-        return sorted({r.slot for r in self.batch.rows if r.slot is not None})
-
     def _forward(self, rows: list[Request], **inputs) -> torch.Tensor:
         slots = sorted({r.slot for r in rows if r.slot is not None})
         self.residency.before_forward(slots)

@@ -52,6 +52,30 @@ class EngineUnavailable(ServingError):
     code = "engine_unavailable"
 
 
+class Unauthorized(ServingError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(ServingError):
+    status_code = 403
+    error_type = "invalid_request_error"
+    code = "adapter_registration_disabled"
+
+
+class BodyTooLarge(ServingError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class InternalError(ServingError):
+    """A bug, not the client's fault: reported without crashing anything."""
+
+    code = "internal_error"
+
+
 # --- adapters ---------------------------------------------------------------------------------
 
 

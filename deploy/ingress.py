@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
 from app import api
-from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, InvalidRequest,
-                        ModelNotFound, ServingError)
+from app.errors import (AdapterAlreadyExists, AdapterNotFound, BodyTooLarge, CapacityExceeded, EngineUnavailable,
+                        Forbidden, InternalError, InvalidRequest, ModelNotFound, ServingError, Unauthorized)
 from app.registry import AdapterRegistry, validate_adapter_id
 from deploy import metrics
 from deploy.args import AppArgs
@@ -30,24 +30,6 @@ from deploy.args import AppArgs
 log = logging.getLogger("ray.serve")
 REPLICA_DEATH_RETRIES = 1
 fastapi_app = FastAPI(title="lora-serve", description="OpenAI-compatible multi-LoRA serving on Ray Serve.")
-
-
-class Unauthorized(ServingError):
-    status_code = 401
-    error_type = "invalid_request_error"
-    code = "invalid_api_key"
-
-
-class Forbidden(ServingError):
-    status_code = 403
-    error_type = "invalid_request_error"
-    code = "adapter_registration_disabled"
-
-
-class BodyTooLarge(ServingError):
-    status_code = 413
-    error_type = "invalid_request_error"
-    code = "request_too_large"
 
 
 def error_response(error: ServingError | dict, status: int | None = None) -> JSONResponse:
@@ -93,9 +75,7 @@ async def _serving_error(request: Request, exc: ServingError):
 @fastapi_app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception):
     log.exception("unhandled error on %s", request.url.path)
-    error = EngineUnavailable(f"internal error: {type(exc).__name__}")
-    error.status_code = 500
-    return error_response(error)
+    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
 
 
 @serve.ingress(fastapi_app)

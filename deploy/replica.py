@@ -14,7 +14,7 @@ from ray.serve._private.utils import get_deployment_actor_name
 
 from app.async_engine import AsyncEngine
 from app.engine import LLMEngine
-from app.errors import AdapterError, ServingError
+from app.errors import AdapterError, InternalError, ServingError
 from app.sampling import SamplingParams
 from deploy import metrics
 from deploy.args import AppArgs
@@ -66,13 +66,12 @@ class LoRAReplica:
                 yield {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason,
                        "prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
                        "replica": self.uid}
-        except ServingError as e:
+        except Exception as e:
+            if not isinstance(e, ServingError):  # a bug, not the client's fault: keep serving
+                log.exception("request %s failed", body.get("request_id"))
+                e = InternalError(f"internal error: {type(e).__name__}")
             yield {"error": e.to_openai()["error"], "status": e.status_code, "retry_after_s": e.retry_after_s,
                    "replica": self.uid}
-        except Exception as e:  # a bug, not the client's fault: say so, keep the replica serving
-            log.exception("request %s failed", body.get("request_id"))
-            yield {"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
-                             "code": "internal_error"}, "status": 500, "replica": self.uid}
 
     # --- what the router and the controller see -------------------------------------------------
 

@@ -81,8 +81,7 @@ def test_more_distinct_adapters_in_flight_than_slots_never_deadlocks(make_engine
     engine = make_engine(num_slots=2, max_batch_size=8)
     requests = [engine.add_request(manifest["prompts"][0], a, greedy(6 + i, ignore_eos=True))
                 for i, a in enumerate(adapter_names * 2)]
-    steps = 0
-    tokens = run_all(engine, check=True, on_step=lambda e: None)
+    tokens = run_all(engine, check=True)
     steps = engine.steps
     assert all(len(tokens[r.request_id]) == r.params.max_tokens for r in requests)
     assert steps < 2000 and engine.residency.pool.pinned_count() == 0

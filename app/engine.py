@@ -18,7 +18,7 @@ from app.batch import DecodeBatch
 from app.config import EngineConfig
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
 from app.lora import BASE_ROW, FusedBackend, PeftBackend
-from app.registry import AdapterRegistry, load_weights
+from app.registry import AdapterRegistry, read_adapter
 from app.request import Request, RequestOutput
 from prefetch.residency import Residency
 from app.sampling import SamplingParams, make_generator, sample
@@ -42,7 +42,7 @@ class LLMEngine:
         self.registry = AdapterRegistry(
             config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
         )
-        self.residency = Residency(config, shapes, self._read_weights, self.device, self.dtype)
+        self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype)
         layout = self.residency.layout
         if config.backend == "fused":
             self.backend = FusedBackend(model, layout, config.num_slots)
@@ -277,10 +277,10 @@ class LLMEngine:
 
     # --- adapters, introspection ----------------------------------------------------------------
 
-    def _read_weights(self, adapter_id: str, dtype: torch.dtype):
+    def _read_parts(self, adapter_id: str):
         # Worker thread. The residency bound-checks the packed weights (NaN/Inf included), so the
         # registry's own NaN scan would only read every byte a second time.
-        return load_weights(self.registry.get(adapter_id), dtype, check_finite=False)
+        return read_adapter(self.registry.get(adapter_id), check_finite=False).flat_parts()
 
     def register_adapter(self, adapter_id: str, path: str):
         return self.registry.register(adapter_id, path)

@@ -1,7 +1,7 @@
 """Adapter registry: checks a PEFT LoRA folder against the base model once, then serves its spec by id.
 
-Registration reads every tensor so that a bad adapter is refused before any request uses it. `load_weights`
-reads the file again, because files may change or vanish after registration.
+Registration reads every tensor so that a bad adapter is refused before any request uses it. `read_adapter`
+reads the file again at load time, because files may change or vanish after registration.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from app.adapter_format import (
     CONFIG_NAME,
     PICKLE_SUFFIXES,
     WEIGHTS_NAME,
+    AdapterFile,
     check_config_matches,
     read_config,
     read_modules,
@@ -154,8 +155,9 @@ class AdapterRegistry:
                 f"adapter '{adapter_id}': {WEIGHTS_NAME} is {nbytes} bytes > max_adapter_bytes {self.max_adapter_bytes}"
             )
         config = read_config(adapter_id, config_file)
-        modules = read_modules(adapter_id, weights_file, self.supported_targets, self.base_shapes, self.num_layers)
-        module_ranks = {module: a.shape[0] for module, (a, _) in modules.items()}
+        file, modules = read_modules(adapter_id, weights_file, self.supported_targets, self.base_shapes,
+                                     self.num_layers)
+        module_ranks = {module: file.entries[a].shape[0] for module, (a, _) in modules.items()}
         rank = max(module_ranks.values())
         if rank > self.max_rank:
             raise AdapterRankTooHigh(
@@ -214,35 +216,57 @@ class AdapterRegistry:
         return resolved
 
 
-def load_weights(spec: AdapterSpec, dtype: torch.dtype | None = None, check_finite: bool = True
-                 ) -> dict[str, LoRAWeights]:
-    """module path -> LoRAWeights, re-checked from disk. Any failure raises AdapterLoadFailed.
+@dataclass(frozen=True)
+class StoredAdapter:
+    """An adapter file read again at load time and checked against its registration."""
 
-    check_finite=False skips the NaN/Inf scan, for callers that bound-check the packed result anyway.
-    """
-    file = spec.weights_file
+    spec: AdapterSpec
+    file: AdapterFile
+    modules: Mapping[str, tuple[str, str]]  # module path -> (key of A [r, in], key of B [out, r])
+
+    def flat_parts(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, float]]:
+        """module path -> (A as 1-D [r * in], B as 1-D row-major [out * r], r, scale): what SlotLayout.pack takes.
+
+        Only slicing, which keeps the GIL (see AdapterFile)."""
+        return {
+            module: (self.file.flat(a), self.file.flat(b), self.spec.module_ranks[module], self.spec.module_scales[module])
+            for module, (a, b) in self.modules.items()
+        }
+
+
+def read_adapter(spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
+    """Read the adapter's file again, since files may change or vanish after registration. Any failure
+    raises AdapterLoadFailed. check_finite=False skips the NaN/Inf scan, for callers that bound-check the
+    packed result anyway (the engine)."""
+    path = spec.weights_file
     try:
-        nbytes = file.stat().st_size
-        if nbytes != spec.nbytes or file.resolve(strict=True) != file:
+        nbytes = path.stat().st_size
+        if nbytes != spec.nbytes or path.resolve(strict=True) != path:
             raise AdapterLoadFailed(
-                f"adapter '{spec.adapter_id}': {file} was changed or replaced since registration "
+                f"adapter '{spec.adapter_id}': {path} was changed or replaced since registration "
                 f"({spec.nbytes} bytes then, {nbytes} now); re-register it"
             )
-        modules = read_modules(spec.adapter_id, file, spec.target_modules, spec.module_shapes, None, check_finite)
+        file, modules = read_modules(spec.adapter_id, path, spec.target_modules, spec.module_shapes, None,
+                                     check_finite)
     except OSError as e:
-        raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': cannot read {file}: {e.strerror or e}") from e
+        raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': cannot read {path}: {e.strerror or e}") from e
     except AdapterInvalid as e:
-        raise AdapterLoadFailed(f"{e.message} (while loading {file}; re-register it)") from e
-    module_ranks = {module: a.shape[0] for module, (a, _) in modules.items()}
+        raise AdapterLoadFailed(f"{e.message} (while loading {path}; re-register it)") from e
+    module_ranks = {module: file.entries[a].shape[0] for module, (a, _) in modules.items()}
     if module_ranks != dict(spec.module_ranks):
         raise AdapterLoadFailed(
-            f"adapter '{spec.adapter_id}': modules or ranks in {file} changed since registration; re-register it"
+            f"adapter '{spec.adapter_id}': modules or ranks in {path} changed since registration; re-register it"
         )
-    return {
-        module: LoRAWeights(
-            A=a if dtype is None else a.to(dtype),
-            B=b if dtype is None else b.to(dtype),
-            scale=spec.module_scales[module],
-        )
-        for module, (a, b) in modules.items()
-    }
+    return StoredAdapter(spec, file, modules)
+
+
+def load_weights(spec: AdapterSpec, dtype: torch.dtype | None = None, check_finite: bool = True
+                 ) -> dict[str, LoRAWeights]:
+    """module path -> LoRAWeights (shaped tensors, cast to dtype), read as `read_adapter` reads."""
+    stored = read_adapter(spec, check_finite)
+    weights = {}
+    for module, (a, b) in stored.modules.items():
+        A, B = stored.file.tensor(a), stored.file.tensor(b)
+        weights[module] = LoRAWeights(A=A if dtype is None else A.to(dtype), B=B if dtype is None else B.to(dtype),
+                                      scale=spec.module_scales[module])
+    return weights

@@ -49,22 +49,28 @@ class SlotLayout:
         """Per-segment [rows, cols] views into a flat buffer of this layout."""
         return [flat[s.offset : s.offset + s.numel].view(s.rows, s.cols) for s in self.segments]
 
-    def pack(self, weights: Mapping, dtype: torch.dtype, out: torch.Tensor | None = None):
-        """Pack {module: LoRAWeights(A [r,in], B [out,r], scale)} into (flat [numel], scales [n_modules] fp32).
+    def pack(self, parts: Mapping[str, tuple[torch.Tensor, torch.Tensor, int, float]], out: torch.Tensor
+             ) -> torch.Tensor:
+        """Pack {module: (A 1-D [r * in], B 1-D row-major [out * r], r, scale)} into `out` [numel]; return
+        the scales [n_modules] float32. Modules the adapter does not target stay zero with scale 0.
 
-        Modules the adapter does not target stay zero with scale 0.
+        Every source and destination is a 1-D slice (row k of Bᵀ is B[k::r]), so the whole pack is one
+        zero_ and one multi-tensor copy: two GIL handoffs however many modules (see AdapterFile).
         """
-        flat = out if out is not None else torch.empty(self.numel, dtype=dtype)
-        flat.zero_()
-        scales = torch.zeros(len(self.modules), dtype=torch.float32)
-        views = self.views(flat)
-        for segment, view in zip(self.segments, views):
-            lora = weights.get(segment.module)
-            if lora is None:
-                continue
-            if segment.kind == "A":
-                view[: lora.A.shape[0]].copy_(lora.A)
-                scales[self.module_index[segment.module]] = lora.scale
-            else:
-                view[: lora.B.shape[1]].copy_(lora.B.T)
-        return flat, scales
+        dst, src = [], []
+        scales = [0.0] * len(self.modules)
+        for module, (a, b, rank, scale) in parts.items():
+            index = self.module_index[module]
+            in_features, out_features = self.shapes[module]
+            a_seg, bt_seg = self.segments[2 * index], self.segments[2 * index + 1]
+            dst.append(out[a_seg.offset : a_seg.offset + rank * in_features])
+            src.append(a)
+            for k in range(rank):
+                row = bt_seg.offset + k * out_features
+                dst.append(out[row : row + out_features])
+                src.append(b[k::rank])
+            scales[index] = scale
+        out.zero_()
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return torch.tensor(scales, dtype=torch.float32)

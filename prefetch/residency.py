@@ -25,11 +25,12 @@ MAX_ABS_WEIGHT = 1e6
 
 class Residency:
     def __init__(self, config, shapes: Mapping[str, tuple[int, int]],
-                 read_weights: Callable[[str, torch.dtype], Mapping], device: torch.device, dtype: torch.dtype):
+                 read_parts: Callable[[str], Mapping], device: torch.device, dtype: torch.dtype):
+        """read_parts(adapter_id) -> what SlotLayout.pack takes; called on disk worker threads."""
         self.layout = SlotLayout(shapes, config.max_rank)
         self.device, self.dtype = device, dtype
         self.prefetch_enabled = config.prefetch
-        self._read_weights = read_weights
+        self._read_parts = read_parts
         self.pool = SlotPool(config.num_slots)
         self.metrics = PrefetchMetrics()
         self.host_cache = HostCache(config.host_cache_bytes, self._read, workers=config.disk_workers)
@@ -42,14 +43,15 @@ class Residency:
         self.pipeline = PrefetchPipeline(self.pool, self.host_cache, copier, self.metrics, self._max_inflight)
 
     def _read(self, adapter_id: str) -> HostAdapter:
-        """Disk -> packed host buffer (worker thread)."""
-        weights = self._read_weights(adapter_id, self.dtype)
+        """Disk -> packed host buffer (worker thread). A handful of torch calls, each a GIL handoff that
+        can wait behind the engine thread, so no per-module work happens here (see AdapterFile)."""
+        parts = self._read_parts(adapter_id)
         pin = self.device.type == "cuda"
         flat = torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin)
-        flat, scales = self.layout.pack(weights, self.dtype, out=flat)
-        peak = flat.abs().max().item() if flat.numel() else 0.0
-        if not peak <= MAX_ABS_WEIGHT:  # also catches NaN and values that overflowed in the cast
-            raise ValueError(f"weights reach {peak:g} in {self.dtype}; the limit is {MAX_ABS_WEIGHT:g}")
+        scales = self.layout.pack(parts, out=flat)
+        low, high = (value.item() for value in torch.aminmax(flat))
+        if not -MAX_ABS_WEIGHT <= low <= high <= MAX_ABS_WEIGHT:  # also false for NaN and overflowed casts
+            raise ValueError(f"weights reach [{low:g}, {high:g}] in {self.dtype}; the limit is ±{MAX_ABS_WEIGHT:g}")
         return HostAdapter(adapter_id, flat, scales.pin_memory() if pin else scales, 0.0)
 
     # --- per step -------------------------------------------------------------------------------

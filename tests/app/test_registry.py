@@ -30,8 +30,17 @@ from app.errors import (
     AdapterTargetUnsupported,
     AdapterTooLarge,
 )
-from app.registry import CONFIG_NAME, WEIGHTS_NAME, AdapterRegistry, load_weights, validate_adapter_id
-from app.targets import ATTENTION_TARGETS, SUPPORTED_TARGETS
+from app.adapter_format import read_adapter_file
+from app.registry import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterRegistry,
+    load_weights,
+    read_adapter,
+    validate_adapter_id,
+)
+from app.targets import ATTENTION_TARGETS, SUPPORTED_TARGETS, target_shapes
+from prefetch.layout import SlotLayout
 
 ATTN = list(ATTENTION_TARGETS)
 
@@ -171,6 +180,37 @@ def test_symlink_inside_roots_is_fine(registry, good, root):
 def test_corrupt_safetensors(registry, good):
     (good / WEIGHTS_NAME).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
     with pytest.raises(AdapterFormatError, match="not readable safetensors"):
+        registry.register("bad", good)
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size :])
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[min(k for k in header if k != "__metadata__")]
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda h: _first_tensor(h).__setitem__("dtype", "Q4"), "malformed header entry"),
+        (lambda h: _first_tensor(h).__setitem__("shape", [3, -1]), "malformed header entry"),
+        (lambda h: _first_tensor(h).__setitem__("shape", [1]), "bytes for shape"),
+        (lambda h: _first_tensor(h)["data_offsets"].__setitem__(0, 4), "bytes for shape"),
+        (lambda h: h.pop(max(k for k in h if k != "__metadata__")), "overlaps or leaves gaps|cover"),
+        (lambda h: h.__setitem__("extra", {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}), "overlaps"),
+    ],
+)
+def test_malformed_safetensors_header(registry, good, edit, why):
+    _rewrite_header(good / WEIGHTS_NAME, edit)
+    with pytest.raises(AdapterFormatError, match=f"not readable safetensors: .*({why})"):
         registry.register("bad", good)
 
 
@@ -372,6 +412,46 @@ def test_load_weights(registry, root):
     peft_v = model.base_model.model.model.layers[1].self_attn.v_proj
     torch.testing.assert_close(v.B.float(), peft_v.lora_B["default"].weight.to(torch.bfloat16).float())
     assert load_weights(spec)["model.layers.0.self_attn.q_proj"].A.dtype == torch.float32
+
+
+def test_packed_read_equals_reference(registry, root):
+    """The engine's GIL-light path (1-D slices, one multi-tensor copy) packs what a plain per-module loop packs:
+    A zero-padded to max_rank, Bᵀ likewise, the fp32 file cast to the engine's bf16."""
+    make_adapter(root / "pat", r=8, lora_alpha=16, target_modules=ATTN, rank_pattern={"v_proj": 2})
+    spec = registry.register("pat", "pat")
+    layout = SlotLayout(target_shapes(BASE), max_rank=16)
+    packed = torch.full((layout.numel,), 7.0, dtype=torch.bfloat16)  # pack must clear what it does not write
+    scales = layout.pack(read_adapter(spec).flat_parts(), out=packed)
+
+    expected = torch.zeros(layout.numel, dtype=torch.bfloat16)
+    views = layout.views(expected)
+    for module, lora in load_weights(spec, dtype=torch.bfloat16).items():
+        index = layout.module_index[module]
+        views[2 * index][: lora.A.shape[0]] = lora.A
+        views[2 * index + 1][: lora.B.shape[1]] = lora.B.T
+        assert scales[index] == lora.scale
+    assert torch.equal(packed, expected)
+    untargeted = [i for i, module in enumerate(layout.modules) if module not in spec.module_ranks]
+    assert untargeted and scales[untargeted].eq(0).all()
+
+
+def test_misaligned_tensors_read_by_copy(tmp_path):
+    """Tensors lie back to back. The safetensors library writes the widest dtype first, but other writers
+    may put a bf16 tensor of odd length before an fp32 one, whose offset is then not a multiple of 4 bytes;
+    AdapterFile copies such a tensor instead of viewing it."""
+    tensors = {"a": torch.arange(3, dtype=torch.bfloat16), "b": torch.randn(2, 5), "c": torch.randn(4).half()}
+    header, data = {}, b""
+    for key, tensor in tensors.items():
+        raw = tensor.view(torch.uint8).numpy().tobytes()
+        dtype = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}[tensor.dtype]
+        header[key] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    (tmp_path / WEIGHTS_NAME).write_bytes(len(text).to_bytes(8, "little") + text + data)
+    file = read_adapter_file("x", tmp_path / WEIGHTS_NAME)
+    assert file.entries["b"].start % 4  # the case under test
+    for key, tensor in tensors.items():
+        assert torch.equal(file.tensor(key), tensor), key
 
 
 def test_load_after_files_vanish_or_rot(registry, root):

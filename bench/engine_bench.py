@@ -102,6 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def result_name(args, workload: str) -> str:
+    """engine-<workload>, plus -fixed for the 512 in / 128 out lengths, so both length modes keep a file."""
+    return f"engine-{workload}" + ("-fixed" if args.lengths == "fixed" else "")
+
+
 def run_count(args, workload: str, rate: float) -> int:
     """Requests per run: --requests, or rate x --duration-s; distinct stops at the largest N (one adapter each)."""
     count = args.requests or max(4, round(rate * args.duration_s))
@@ -236,7 +241,7 @@ def run(args) -> list[Path]:
                 base_runs[trace] = summary
         results[workload].setdefault(str(n), {})[arm_name] = summary
         # Written after every run, so a run killed from outside still leaves what it measured.
-        write_result(f"engine-{workload}", payload(args, workload, results[workload], rate, sweep_info, engines,
+        write_result(result_name(args, workload), payload(args, workload, results[workload], rate, sweep_info, engines,
                                                    {**timings, "elapsed": time.perf_counter() - started}, skipped),
                      args.results_dir)
     bar.close()
@@ -247,7 +252,7 @@ def run(args) -> list[Path]:
             if e is not None:
                 arms["E"] = e
     timings["total"] = time.perf_counter() - started
-    paths = [write_result(f"engine-{w}", payload(args, w, by_n, rate, sweep_info, engines, timings, skipped),
+    paths = [write_result(result_name(args, w), payload(args, w, by_n, rate, sweep_info, engines, timings, skipped),
                           args.results_dir) for w, by_n in results.items() if by_n]
     if not args.no_plots:
         for path in paths:

@@ -11,13 +11,10 @@ Every run starts with empty slots and an empty host cache. A and B run first, wo
 workload, so a run cut short by --time-budget-s still holds the main comparison.
 One JSON per workload lands in bench/results/<device>-engine-<workload>.json, PNGs beside it.
 
-Request counts. --quick (CPU, small demo, S = 4, N = 4 and 16, uniform / zipf / bursty-cv4):
-a sweep of 16 to 60 requests a step, then 6 s of arrivals a run at 75% of the saturating rate
-(about 40 requests), lengths x 1/16. The H100 script (Llama-3-8B shapes, S = 8, every workload at
-N = 8, 32, 128): 12 requests a run, lengths x 1/16, and no run started after 500 s. A first H100
-try (24 requests a run, all five N values, the default 5 ms GIL switch interval) found arm A
-saturating at 1.9 requests/s (uniform, N = 16, cold host cache), so each run took ~20 s and
-560 s covered only 22 runs of arm A.
+Request counts. --quick (CPU, small demo, S = 4, N = 4 and 16, uniform / zipf / bursty-cv4): a
+32-request saturation burst, then 6 s of arrivals a run at 75% of the saturating rate, lengths x 1/16.
+The H100 script (bench/device/gpu_engine_bench.sh; Llama-3-8B shapes, S = 8) runs 40 requests a run
+with lengths x 1/4, and splits the workloads over several calls.
 """
 
 from __future__ import annotations
@@ -41,16 +38,13 @@ from bench.driver import vocab_ids
 from bench.stats import summarize
 from bench.workloads import LENGTH_MODES, WORKLOADS, make
 
-SWEEP_GROWTH = 1.5  # each sweep rate is this much above the last
-SATURATION_GAIN = 1.1  # throughput that grows less than this per step has saturated
-KEEP_UP = 0.8  # ... and so has one that finishes less than this share of the offered rate
+SATURATION_REQUESTS = 32  # the saturation burst: at least this many requests, or twice the batch
+BURST_RATE = 1e6  # requests/s: every request of the burst arrives at once
 SWITCH_INTERVAL_S = 0.0005  # what deploy/replica.py sets, so engine and loader threads share the GIL as there
-SWEEP_MIN_REQUESTS = 16
-SWEEP_MAX_STEPS = 12
 # make bench: the small demo on CPU. The host cache holds about 3S packed adapters (60 MB / 4.8 MB), the
 # ratio of the engine's 2 GiB default to 84 MB Llama-3-8B adapters at S = 8, so disk reads still happen.
 QUICK = dict(size="small", slots=4, n_values=[4, 16], workload=["uniform", "zipf", "bursty-cv4"], sweep=True,
-             duration_s=6.0, length_scale=0.0625, rotate_s=2.0, sweep_start=3.0, sweep_window_s=4.0,
+             duration_s=6.0, length_scale=0.0625, rotate_s=2.0,
              host_cache_mb=60.0)
 
 
@@ -66,9 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arms", default="ABCDE", help="which arms to run, e.g. ABE")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="requests per second")
-    rate.add_argument("--sweep", action="store_true", help="find arm A's saturating rate, run at 75%% of it")
-    p.add_argument("--sweep-start", type=float, default=1.0, help="first sweep rate (requests/s)")
-    p.add_argument("--sweep-window-s", type=float, default=5.0, help="arrival window of each sweep step")
+    rate.add_argument("--sweep", action="store_true", help="measure arm A's saturating rate (a burst), run at 75%% of it")
     p.add_argument("--duration-s", type=float, default=10.0, help="arrival window of each run")
     p.add_argument("--requests", type=int, help="requests per run (overrides --duration-s)")
     p.add_argument("--lengths", default="slora", choices=LENGTH_MODES)
@@ -138,35 +130,22 @@ def plan_runs(args, rate: float) -> list[tuple[str, int, str]]:
 
 
 def sweep(args, engine, names, vocab) -> dict:
-    """Raise arm A's rate (uniform, the middle N) until it saturates; run the benchmark at 75% of that.
+    """Arm A's saturating rate (uniform, the middle N): a burst of SATURATION_REQUESTS requests that all
+    arrive at once, finished requests per second of the burst's wall time. The benchmark runs at 75% of it.
 
-    A step has saturated when its throughput grew less than SATURATION_GAIN over the last step's
-    (throughput stops growing), or fell below KEEP_UP of the rate the trace offered (the queue grows).
-    The saturating rate is the best throughput seen.
+    An earlier version raised the rate step by step and called a step saturated when it finished fewer
+    requests per second than it offered; on the H100 a request outlived the short arrival window, so the
+    drain alone failed that test at the first step and the runs went at a quarter of the real capacity.
     """
     workload, n = "uniform", args.n_values[len(args.n_values) // 2]
-    steps, rate = [], args.sweep_start
-    bar = tqdm(desc=f"sweep {workload} N={n} arm A", unit="rate", leave=False)
-    while len(steps) < SWEEP_MAX_STEPS:
-        count = max(SWEEP_MIN_REQUESTS, round(rate * args.sweep_window_s))
-        arrivals = make(workload, n, count, rate, args.seed, args.lengths, args.length_scale, args.slots)
-        record = play(engine, ARMS["A"], arrivals, names, n, vocab, args.seed, args.hint_lead_s,
-                      idle_poll_s=args.idle_poll_s)
-        summary = summarize(record)
-        offered = (count - 1) / max(arrivals[-1].t_s - arrivals[0].t_s, 1e-9)
-        throughput = summary["request_throughput_per_s"]
-        steps.append({"rate": rate, "offered": offered, "throughput": throughput, "requests": count,
-                      "ttft_p50_s": summary["ttft_s"]["p50"], "e2e_p50_s": summary["e2e_s"]["p50"],
-                      "wall_s": record.wall_s})
-        bar.update(1)
-        bar.set_postfix(rate=f"{rate:.2f}", thr=f"{throughput:.2f}")
-        stopped_growing = len(steps) > 1 and throughput < SATURATION_GAIN * steps[-2]["throughput"]
-        if stopped_growing or throughput < KEEP_UP * offered:
-            break
-        rate *= SWEEP_GROWTH
-    bar.close()
-    saturating = max(s["throughput"] for s in steps)
-    return {"workload": workload, "n": n, "window_s": args.sweep_window_s, "steps": steps,
+    count = max(SATURATION_REQUESTS, 2 * args.max_batch_size)
+    arrivals = make(workload, n, count, BURST_RATE, args.seed, args.lengths, args.length_scale, args.slots)
+    record = play(engine, ARMS["A"], arrivals, names, n, vocab, args.seed, args.hint_lead_s,
+                  idle_poll_s=args.idle_poll_s)
+    summary = summarize(record)
+    saturating = summary["request_throughput_per_s"]
+    return {"workload": workload, "n": n, "requests": count, "wall_s": record.wall_s,
+            "token_throughput_per_s": summary["token_throughput_per_s"],
             "saturating_rate": saturating, "rate": 0.75 * saturating}
 
 

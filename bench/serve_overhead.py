@@ -4,7 +4,9 @@
 
 TTFT through Serve (streaming, time to the first SSE chunk) minus TTFT of the engine called in
 process (time from add_request to the first token) is what the HTTP proxy, the ingress, the router
-and the replica hop add to a request that never waits.
+and the replica hop add to a request that never waits. Each stream is read to its end, as the engine
+alone runs each request to completion: otherwise the next request would share the engine with this
+one's remaining tokens and its cancellation (`--hang-up` measures that case).
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ def engine_ttft(engine: LLMEngine, adapter: str | None) -> float:
     return first
 
 
-def http_ttft(client: httpx.Client, url: str, model: str) -> float:
+def http_ttft(client: httpx.Client, url: str, model: str, hang_up: bool = False) -> float:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
-    start = time.perf_counter()
+    start, first = time.perf_counter(), None
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                return time.perf_counter() - start
-    raise RuntimeError("no token came back")
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                first = time.perf_counter() - start
+                if hang_up:
+                    break
+    if first is None:
+        raise RuntimeError("no token came back")
+    return first
 
 
 def main():
@@ -51,6 +57,7 @@ def main():
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--hang-up", action="store_true", help="close each stream at its first token")
     args = parser.parse_args()
     demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
     adapter = json.loads((demo / "demo.json").read_text())["adapters"][0]["name"]
@@ -69,10 +76,10 @@ def main():
     url = launch(launch_args, replicas=1, router="adapter_affinity")
     with httpx.Client(timeout=60) as client:
         for _ in range(5):
-            http_ttft(client, url, adapter)
-        served = [http_ttft(client, url, adapter) for _ in range(args.requests)]
+            http_ttft(client, url, adapter, args.hang_up)
+        served = [http_ttft(client, url, adapter, args.hang_up) for _ in range(args.requests)]
     result = {
-        "size": args.size, "requests": args.requests,
+        "size": args.size, "requests": args.requests, "hang_up": args.hang_up,
         "engine_ttft_ms_p50": 1e3 * statistics.median(alone), "serve_ttft_ms_p50": 1e3 * statistics.median(served),
         "engine_ttft_ms_mean": 1e3 * statistics.fmean(alone), "serve_ttft_ms_mean": 1e3 * statistics.fmean(served),
     }

@@ -7,14 +7,14 @@
 #   WORKLOADS="uniform" NVALUES="4 8 16 32 128" ARMS=ABCDE bash bench/device/gpu_engine_bench.sh
 #   WORKLOADS="zipf power-0.1 ..." NVALUES="32" ARMS=ABC RATE=4.2 bash bench/device/gpu_engine_bench.sh
 #
-# RATE unset: sweep arm A's saturating rate first (uniform, the middle N) and run at 75% of it.
+# RATE unset: measure arm A's saturating rate first (a burst; uniform, the middle N) and run at 75% of it.
 # LENGTHS=slora|fixed, LENGTH_SCALE shrinks S-LoRA's U[8, 512) lengths, REQUESTS per run, BUDGET_S: no run
 # starts that would end past it (A and B run first, so a cut keeps the main comparison).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-rate_args=(--sweep --sweep-start "${SWEEP_START:-2}" --sweep-window-s 4)
+rate_args=(--sweep)
 [[ -n "${RATE:-}" ]] && rate_args=(--rate "$RATE")
 start=$(date +%s)
 timeout $(( ${BUDGET_S:-480} + 60 )) python3 -m bench.engine_bench --size llama3-8b-shape --slots 8 \

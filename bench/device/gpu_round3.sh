@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 echo "== forward"; timeout 170 python3 -m bench.forward_bench --size llama3-8b-shape --batch 32 --context 512 --iters 15 2>&1 \
   | grep -E "distinct|gb_per|wrote" | tee "$OUT/forward.log"
 echo "== engine"; timeout 330 python3 -m bench.engine_bench --size llama3-8b-shape --slots 8 --n-values 8 32 \
-  --workload uniform bursty-cv4 zipf --sweep --sweep-start 2 --sweep-window-s 3 --requests 12 --length-scale 0.0625 \
+  --workload uniform bursty-cv4 zipf --sweep --requests 12 --length-scale 0.0625 \
   --rotate-s 1 --time-budget-s 270 2>&1 | tr '\r' '\n' | grep -vE "Warning|warn\(|^\s*$|it/s\]|req/s\]" \
   | tee "$OUT/engine_bench.log" | tail -25
 cp bench/results/h100*.json "$OUT/" 2>/dev/null; tar czf "$OUT/engine_pngs.tgz" bench/results/*-engine-*.png 2>/dev/null

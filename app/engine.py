@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from app.batch import DecodeBatch
@@ -25,6 +26,11 @@ from app.sampling import SamplingParams, make_generator, sample
 from app.targets import target_shapes
 from prefetch.metrics import Histogram
 
+# cuDNN attention, which torch prefers on Hopper, plans a graph per new sequence length; a decode step's
+# KV length grows by one every step, so on the H100 each of the 32 layers spent ~1.9 ms of CPU in planning
+# and an 8B decode step took 90-130 ms instead of ~30 (bench/step_profile.py). Flash / memory-efficient
+# kernels need no plan. MATH stays last for CPU.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
 HINT_LEAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -186,7 +192,7 @@ class LLMEngine:
     def _forward(self, rows: list[Request], **inputs) -> torch.Tensor:
         slots = sorted({r.slot for r in rows if r.slot is not None})
         self.residency.before_forward(slots)
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
             logits = self.backend.forward([r.slot if r.slot is not None else BASE_ROW for r in rows], **inputs)
         self.residency.after_forward(slots)
         return logits[:, -1]
@@ -308,7 +314,7 @@ class LLMEngine:
                     raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")
         try:
             self.residency.before_forward([slot] if slot is not None else [])
-            with torch.inference_mode():
+            with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
                 positions = torch.arange(ids.shape[1], device=self.device)[None]
                 return self.backend.forward([slot], input_ids=ids, position_ids=positions)[0].float().cpu()
         finally:

@@ -13,9 +13,11 @@ import statistics
 import time
 
 import torch
+from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from app.demo import SIZES
+from app.engine import ATTENTION_BACKENDS
 from app.lora import FusedBackend, PeftBackend
 from app.targets import SUPPORTED_TARGETS, target_shapes
 from bench.common import write_result
@@ -62,7 +64,7 @@ def time_decode(forward, model_config, batch, context, device, iters, warmup=5) 
     gen = torch.Generator(device=device).manual_seed(2)
     prompt = torch.randint(vocab, (batch, context), generator=gen, device=device)
     cache = DynamicCache(config=model_config)
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):  # the engine's attention kernels
         forward(slots=None, input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         ids = torch.randint(vocab, (batch, 1), generator=gen, device=device)
         positions = torch.full((batch, 1), context, device=device)

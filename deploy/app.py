@@ -12,6 +12,13 @@ from deploy.replica import STATE_ACTOR, LoRAReplica
 from deploy.router import AdapterAffinityRouter
 from deploy.state import RouterState
 
+# Serve runs user code, and a caller's request router, on event loops of their own threads by
+# default: every request, routing decision and streamed chunk then crosses threads (and the GIL)
+# twice more per hop. One loop per replica process is the latency-optimized setting of Serve
+# (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on). Our handlers leave file reads and engine work
+# to threads, so they do not hold the shared loop.
+SINGLE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
 
 def ensure_assets(args: AppArgs) -> None:
     """The built-in demo is generated on first use, so a fresh machine needs no other step."""
@@ -28,7 +35,8 @@ def replica_options(args: AppArgs) -> dict:
     options = {
         "name": "LoRAReplica",
         "max_ongoing_requests": args.max_ongoing_requests or 2 * args.max_batch_size,
-        "ray_actor_options": {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5},
+        "ray_actor_options": {**({"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5}),
+                              "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": 30,
         "deployment_actors": [DeploymentActorConfig(
@@ -52,6 +60,7 @@ def build_app(args: AppArgs) -> Application:
 def make_app(args: AppArgs, **replica_overrides) -> Application:
     ensure_assets(args)
     replicas = serve.deployment(LoRAReplica).options(**{**replica_options(args), **replica_overrides})
-    ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0.25},
-                                                max_ongoing_requests=1000)
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress", ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},
+        max_ongoing_requests=1000)
     return ingress.bind(replicas.bind(args.model_dump()), args.model_dump())

@@ -15,8 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
@@ -78,6 +79,74 @@ async def _unexpected(request: Request, exc: Exception):
     return error_response(InternalError(f"internal error: {type(exc).__name__}"))
 
 
+class RequestGuard:
+    """API key and body-size checks as plain ASGI middleware.
+
+    Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays every response chunk
+    through an extra task and memory stream (milliseconds per request on the TTFT path) and turns
+    a client that hangs up mid-stream into an ExceptionGroup.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        receive = _disconnect_on_cancel(receive)
+        try:
+            self._check_headers(scope)
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._buffer_body(receive)
+        except ServingError as e:
+            metrics.requests().inc(tags={"route": scope["path"], "status": str(e.status_code)})
+            return await error_response(e)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _check_headers(self, scope) -> None:
+        headers = Headers(scope=scope)
+        if self.api_key and scope["path"] != "/health":
+            scheme, _, supplied = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(), self.api_key.encode()):
+                raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+        declared = headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise BodyTooLarge(f"request body is {declared} bytes; the limit is {self.max_body_bytes}")
+
+    async def _buffer_body(self, receive):
+        """Read the body up to the limit (a chunked body declares no length), then replay it to the app."""
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                raise BodyTooLarge(f"request body is at least {size} bytes; the limit is {self.max_body_bytes}")
+            if not message.get("more_body", False):
+                break
+        messages.reverse()
+
+        async def replay():
+            return messages.pop() if messages else await receive()
+
+        return replay
+
+
+def _disconnect_on_cancel(receive):
+    """Serve's proxy cancels the body fetch when the client hangs up: tell the app it is a
+    disconnect, so a stream ends quietly instead of raising and logging a traceback per request."""
+
+    async def receive_or_disconnect():
+        try:
+            return await receive()
+        except TaskCancelledError:
+            return {"type": "http.disconnect"}
+
+    return receive_or_disconnect
+
+
 @serve.ingress(fastapi_app)
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, args: dict):
@@ -92,30 +161,8 @@ class Ingress:
         self.adapters: dict[str, str] = self.args.initial_adapters()  # refreshed from the router actor
         self.app_name = serve.get_replica_context().app_name
         self.in_flight = 0
-
-        @fastapi_app.middleware("http")
-        async def guard(request: Request, call_next):
-            # Closure over self: FastAPI middleware is registered on the shared app object.
-            try:
-                await self._check_request(request)
-            except ServingError as e:
-                metrics.requests().inc(tags={"route": request.url.path, "status": str(e.status_code)})
-                return error_response(e)
-            return await call_next(request)
-
-    async def _check_request(self, request: Request) -> None:
-        if self.args.api_key and request.url.path != "/health":
-            scheme, _, supplied = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(),
-                                                                     self.args.api_key.encode()):
-                raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.args.max_body_bytes:
-            raise BodyTooLarge(f"request body is {declared} bytes; the limit is {self.args.max_body_bytes}")
-        if request.method in ("POST", "PUT", "PATCH"):
-            body = await request.body()
-            if len(body) > self.args.max_body_bytes:
-                raise BodyTooLarge(f"request body is {len(body)} bytes; the limit is {self.args.max_body_bytes}")
+        # Registered on the shared app object, hence here with the args rather than at import.
+        fastapi_app.add_middleware(RequestGuard, api_key=self.args.api_key, max_body_bytes=self.args.max_body_bytes)
 
     # --- models and adapters --------------------------------------------------------------------
 

@@ -48,8 +48,8 @@ class AdapterAffinityRouter(RequestRouter):
     async def _refresh_loop(self) -> None:
         while True:
             try:
-                if self._actor is None:
-                    self._actor = self._find_actor()
+                if self._actor is None:  # a GCS lookup: kept off the loop that routes requests
+                    self._actor = await asyncio.to_thread(self._find_actor)
                 if self._actor is not None:
                     view = await asyncio.wait_for(self._actor.view.remote(), timeout=1.0)
                     self._view, self._view_at = view["replicas"], time.monotonic()

@@ -49,6 +49,7 @@ class LLMEngine:
             config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
         )
         self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype)
+        self.residency.steps_left = self._steps_left
         layout = self.residency.layout
         if config.backend == "fused":
             self.backend = FusedBackend(model, layout, config.num_slots)
@@ -263,6 +264,10 @@ class LLMEngine:
         for request in list(self.requests.values()):
             if request.finish_reason is not None and request not in self.batch.rows:
                 self._release(request)
+
+    def _steps_left(self, slot: int) -> int:
+        """Decode steps until every running request on `slot` ends, at most (max_tokens; stops may come sooner)."""
+        return max((r.params.max_tokens - len(r.output_ids) for r in self.batch.rows if r.slot == slot), default=0)
 
     def _release(self, request: Request) -> None:
         if request.slot is not None:

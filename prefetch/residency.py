@@ -37,6 +37,8 @@ class Residency:
         self._max_inflight = config.max_inflight_loads
         self.pipeline: PrefetchPipeline | None = None
         self.draining: int | None = None  # a pinned slot that takes no new requests, so it can be reused
+        # slot -> how many more steps its pinning requests may run (the engine knows; None: unknown).
+        self.steps_left: Callable[[int], int] | None = None
 
     def attach(self, write_slot) -> None:
         copier = make_copier(self.device, write_slot, len(self.pool))
@@ -103,10 +105,13 @@ class Residency:
         return loads[0][1] if loads else None
 
     def _start_draining(self) -> None:
-        """Every slot is pinned: stop feeding the least recently used one so a waiting adapter gets in."""
+        """Every slot is pinned: stop feeding the one that frees soonest (fewest steps left to its requests,
+        then least recently used), so a waiting adapter gets in. Draining the least recently used slot
+        alone let a waiting request sit behind a long generation for seconds on the H100."""
         pinned = [i for i, s in enumerate(self.pool.slots) if s.pins > 0]
         if pinned:
-            self.draining = min(pinned, key=lambda i: self.pool.slots[i].last_used)
+            steps_left = self.steps_left or (lambda slot: 0)
+            self.draining = min(pinned, key=lambda i: (steps_left(i), self.pool.slots[i].last_used))
 
     def _load_now(self, adapter_id: str) -> int | None:
         slot = self._planned_slot(adapter_id)

@@ -47,3 +47,21 @@ def test_metrics_snapshot_reports_every_tier(make_engine, manifest, adapter_name
     assert metrics["tiers"]["host_to_device"]["bytes"] == metrics["tiers"]["disk_to_host"]["bytes"]
     assert metrics["misses"] + metrics["hint_hits"] + metrics["inflight_hits"] == 4
     assert metrics["queue_length"] == 0 and metrics["batch_size"] == 0
+
+
+def test_waiting_adapter_takes_the_slot_that_frees_soonest(make_engine, manifest, adapter_names):
+    """Every slot pinned: the slot whose requests end first stops taking new ones, not the least recently used."""
+    engine = make_engine(num_slots=2)
+    long_run, short_run, waiting = adapter_names[:3]
+    prompt = manifest["prompts"][0]
+    engine.add_request(prompt, long_run, greedy(40, ignore_eos=True))  # least recently used once both run
+    engine.add_request(prompt, short_run, greedy(6, ignore_eos=True))
+    while len(engine.batch.rows) < 2:
+        engine.step()
+    request = engine.add_request(prompt, waiting, greedy(2))
+    engine.step()
+    short_slot = engine.residency.pool.lookup(short_run)
+    assert engine.residency.draining == short_slot
+    outputs = run_all(engine, check=True)
+    assert len(outputs[request.request_id]) == 2
+    assert engine.residency.pool.lookup(waiting) == short_slot

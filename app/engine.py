@@ -48,8 +48,7 @@ class LLMEngine:
         self.registry = AdapterRegistry(
             config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
         )
-        self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype)
-        self.residency.steps_left = self._steps_left
+        self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype, self._steps_left)
         layout = self.residency.layout
         if config.backend == "fused":
             self.backend = FusedBackend(model, layout, config.num_slots)

@@ -25,8 +25,10 @@ MAX_ABS_WEIGHT = 1e6
 
 class Residency:
     def __init__(self, config, shapes: Mapping[str, tuple[int, int]],
-                 read_parts: Callable[[str], Mapping], device: torch.device, dtype: torch.dtype):
-        """read_parts(adapter_id) -> what SlotLayout.pack takes; called on disk worker threads."""
+                 read_parts: Callable[[str], Mapping], device: torch.device, dtype: torch.dtype,
+                 steps_left: Callable[[int], int] = lambda slot: 0):
+        """read_parts(adapter_id) -> what SlotLayout.pack takes; called on disk worker threads.
+        steps_left(slot) -> how many more steps the requests pinning `slot` may run (the engine knows)."""
         self.layout = SlotLayout(shapes, config.max_rank)
         self.device, self.dtype = device, dtype
         self.prefetch_enabled = config.prefetch
@@ -37,8 +39,7 @@ class Residency:
         self._max_inflight = config.max_inflight_loads
         self.pipeline: PrefetchPipeline | None = None
         self.draining: int | None = None  # a pinned slot that takes no new requests, so it can be reused
-        # slot -> how many more steps its pinning requests may run (the engine knows; None: unknown).
-        self.steps_left: Callable[[int], int] | None = None
+        self._steps_left = steps_left
 
     def attach(self, write_slot) -> None:
         copier = make_copier(self.device, write_slot, len(self.pool))
@@ -110,8 +111,7 @@ class Residency:
         alone let a waiting request sit behind a long generation for seconds on the H100."""
         pinned = [i for i, s in enumerate(self.pool.slots) if s.pins > 0]
         if pinned:
-            steps_left = self.steps_left or (lambda slot: 0)
-            self.draining = min(pinned, key=lambda i: (steps_left(i), self.pool.slots[i].last_used))
+            self.draining = min(pinned, key=lambda i: (self._steps_left(i), self.pool.slots[i].last_used))
 
     def _load_now(self, adapter_id: str) -> int | None:
         slot = self._planned_slot(adapter_id)

@@ -1,0 +1,1 @@
+"""Device kernels (Triton) next to their plain-torch references."""

@@ -1,0 +1,267 @@
+"""Segmented multi-adapter LoRA (the SGMV idea of Punica): a shrink and an expand kernel in Triton,
+next to `lora_reference`, the plain-torch loop they replace (and the CPU path of the engine).
+
+    # Per-step metadata, shared by every layer of one forward:
+    #   token_order [T_cap] int32: token indices grouped by segment (a permutation of the real tokens, padded)
+    #   seg_starts  [S_cap + 1] int32: segment i covers token_order[seg_starts[i] : seg_starts[i+1]]
+    #   seg_slots   [S_cap] int32: the adapter slot of segment i; -1 = no adapter (base rows, or padding
+    #               segments, which are empty)
+    # Weights of one target linear, for all slots:
+    #   A  [num_slots, max_rank, in_features]   (rows r >= the adapter's rank are zero)
+    #   BT [num_slots, max_rank, out_features]  (B transposed; rows r >= rank are zero)
+    #   scales [num_slots] float32 (this module's lora_alpha / r per slot; 0 for an unused slot)
+    #   slot_ranks [num_slots] int32 (each slot's real rank <= max_rank; the kernels skip rows >= rank)
+    for i in range(S):
+        s = seg_slots[i]
+        if s < 0: continue
+        for t in token_order[seg_starts[i]:seg_starts[i+1]]:
+            y[t] += scales[s] * (x[t] @ A[s].T) @ BT[s]
+
+x is [T, in], y is [T, out] (same dtype: bf16, fp16 or fp32), y is updated in place, sums run in fp32.
+
+On CUDA, `lora_shrink` writes split-K partials of x @ A[s].T into a preallocated fp32 workspace
+[splits, T_cap, max(16, max_rank)] (no atomics, no memset), on a grid (segment, K split, M program);
+`lora_expand` sums the partials as it loads them and adds scale * xa @ BT[s] into y, on a grid
+(segment, out tile, M program). Each program loads its A (or BT) tile once and loops over its M tiles
+of the segment (all of them in decode, where there is one M program; prefill strides them over a few
+programs that share the tile through L2), so the bytes read grow with the distinct adapters in the
+batch, not with num_slots. Grids depend on static shapes only and loop bounds come from the metadata
+tensors, so both kernels replay under a CUDA graph; a segment with slot -1 or no tokens exits at once.
+Written by hand: no maintained library offers a graph-capturable segmented LoRA op in Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs carry no triton: only `lora_reference` is usable there
+    triton = None
+
+DECODE_T_MAX = 256  # a bucket of at most this many tokens uses the decode config
+
+
+def lora_reference(y, x, A, BT, scales, token_order, seg_starts, seg_slots) -> None:
+    """The loop of the module docstring in plain torch, one gather/matmul/scatter per segment."""
+    starts, slots, scale_of = seg_starts.tolist(), seg_slots.tolist(), scales.tolist()
+    for i, slot in enumerate(slots):
+        lo, hi = starts[i], starts[i + 1]
+        if slot < 0 or hi <= lo:
+            continue
+        rows = token_order[lo:hi].long()
+        xa = x.index_select(0, rows).float() @ A[slot].float().T  # [n, max_rank]
+        delta = (xa @ BT[slot].float()) * scale_of[slot]  # [n, out]
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile choices for one token bucket. Decode programs are latency-bound (a chain of dependent loads
+    from the metadata to the weights), so fewer, larger programs win; prefill needs programs along M."""
+
+    target_splits: int  # K splits the shrink aims for (rounded to a power-of-two BLOCK_K)
+    block_m: int  # tokens per tile, >= 16 for tl.dot
+    block_n: int  # output columns per expand program
+    num_warps: int
+    num_stages: int = 1
+    m_programs: int = 1  # programs per segment along M, each striding over the segment's M tiles
+
+    def __post_init__(self):
+        if min(self.target_splits, self.num_stages, self.m_programs) < 1:
+            raise ValueError(f"target_splits ({self.target_splits}), num_stages ({self.num_stages}) and "
+                             f"m_programs ({self.m_programs}) must be >= 1")
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} ({value}) must be a power of two >= 16")
+
+
+DECODE = KernelConfig(target_splits=8, block_m=16, block_n=256, num_warps=4, num_stages=1)
+PREFILL = KernelConfig(target_splits=8, block_m=64, block_n=128, num_warps=4, num_stages=2, m_programs=4)
+SHRINK_SMEM = 64 * 1024  # bytes of A tile + x tile per shrink program
+EXPAND_BT_SMEM = 32 * 1024  # bytes of the BT tile per expand program
+
+
+def pick_config(t_cap: int) -> KernelConfig:
+    return DECODE if t_cap <= DECODE_T_MAX else PREFILL
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _block_r(max_rank: int) -> int:
+    return max(16, _next_pow2(max_rank))
+
+
+def shrink_tiles(in_features: int, block_r: int, elsize: int, config: KernelConfig) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of the shrink; one K block per program, shrunk to fit SHRINK_SMEM."""
+    block_k = min(1024, max(16, _next_pow2(-(-in_features // config.target_splits))))
+    while block_k > 16 and (block_r + 16) * block_k * elsize > SHRINK_SMEM:
+        block_k //= 2
+    block_m = max(16, min(config.block_m, 16384 // block_k))
+    while block_m > 16 and (block_r + block_m) * block_k * elsize > SHRINK_SMEM:
+        block_m //= 2
+    return block_m, block_k
+
+
+def expand_tiles(block_r: int, elsize: int, config: KernelConfig) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) of the expand; fp32 and large ranks get narrower tiles and no pipelining."""
+    block_n = config.block_n
+    while block_n > 16 and block_r * block_n * elsize > EXPAND_BT_SMEM:
+        block_n //= 2
+    return block_n, config.num_stages if elsize * block_r <= 32 else 1
+
+
+def shrink_splits(in_features: int, block_r: int, elsize: int, config: KernelConfig) -> int:
+    return -(-in_features // shrink_tiles(in_features, block_r, elsize, config)[1])
+
+
+@dataclass(frozen=True)
+class LoRAWorkspace:
+    """Split-K partials of x @ A.T, allocated once and shared by every layer (and bucket) of a forward."""
+
+    xa: torch.Tensor  # [max_splits, t_cap, max(16, max_rank)] float32
+
+    @classmethod
+    def allocate(cls, t_cap: int, max_rank: int, in_features: Sequence[int], device,
+                 configs: Sequence[KernelConfig] = (DECODE, PREFILL)) -> LoRAWorkspace:
+        """Sized for buckets of up to t_cap tokens, every target's in_features, any dtype, under `configs`."""
+        block_r = _block_r(max_rank)
+        splits = max(shrink_splits(k, block_r, elsize, c) for k in in_features for c in configs for elsize in (2, 4))
+        return cls(torch.empty(splits, t_cap, block_r, dtype=torch.float32, device=device))
+
+
+def _check(x_or_y, weights, token_order, workspace, splits):
+    if token_order.dtype != torch.int32:
+        raise ValueError(f"metadata must be int32, got token_order {token_order.dtype}")
+    if x_or_y.dtype != weights.dtype:
+        raise ValueError(f"activation dtype {x_or_y.dtype} != weight dtype {weights.dtype}")
+    if x_or_y.stride(-1) != 1 or weights.stride(-1) != 1:
+        raise ValueError("activations and weights need a contiguous last dimension")
+    ws_splits, ws_t, ws_rank = workspace.xa.shape
+    block_r = _block_r(weights.shape[1])
+    if splits > ws_splits or token_order.numel() > ws_t or block_r > ws_rank:
+        raise ValueError(f"workspace [splits {ws_splits}, t_cap {ws_t}, rank tile {ws_rank}] is smaller than "
+                         f"this call's [splits {splits}, t_cap {token_order.numel()}, rank tile {block_r}]")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 tests expect fp32 sums; bf16/fp16 ignore it
+
+
+def lora_shrink(x, A, slot_ranks, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
+                config: KernelConfig | None = None) -> int:
+    """workspace.xa[j, p] = x[token_order[p]] @ A[s, :, K-split j].T for every position p of an adapter
+    segment. Returns the split count, which `lora_expand` must be given."""
+    config = config or pick_config(token_order.numel())
+    in_features, block_r = A.shape[2], _block_r(A.shape[1])
+    block_m, block_k = shrink_tiles(in_features, block_r, A.element_size(), config)
+    splits = -(-in_features // block_k)
+    _check(x, A, token_order, workspace, splits)
+    ws = workspace.xa
+    _shrink_kernel[(seg_slots.numel(), splits, config.m_programs)](
+        x, A, ws, slot_ranks, token_order, seg_starts, seg_slots,
+        in_features, x.stride(0), A.stride(0), A.stride(1), ws.stride(0), ws.stride(1),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, M_PROGRAMS=config.m_programs,
+        PRECISION=_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    return splits
+
+
+def lora_expand(y, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
+                splits: int, config: KernelConfig | None = None) -> None:
+    """y[t] += scales[s] * (sum over splits of workspace.xa[:, p]) @ BT[s], t = token_order[p]."""
+    config = config or pick_config(token_order.numel())
+    _check(y, BT, token_order, workspace, splits)
+    out_features, block_r = BT.shape[2], _block_r(BT.shape[1])
+    block_n, num_stages = expand_tiles(block_r, BT.element_size(), config)
+    ws = workspace.xa
+    grid = (seg_slots.numel(), triton.cdiv(out_features, block_n), config.m_programs)
+    _expand_kernel[grid](
+        y, BT, ws, scales, slot_ranks, token_order, seg_starts, seg_slots,
+        out_features, y.stride(0), BT.stride(0), BT.stride(1), ws.stride(0), ws.stride(1),
+        SPLITS=splits, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_R=block_r, M_PROGRAMS=config.m_programs,
+        PRECISION=_precision(y.dtype), num_warps=config.num_warps, num_stages=num_stages)
+
+
+def lora_apply(y, x, A, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
+               config: KernelConfig | None = None) -> None:
+    """The module docstring's loop on CUDA: one shrink launch, then one expand launch."""
+    splits = lora_shrink(x, A, slot_ranks, token_order, seg_starts, seg_slots, workspace, config)
+    lora_expand(y, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, workspace, splits, config)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, ws_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr,
+                       K, stride_xt, stride_as, stride_ar, stride_wsj, stride_wsp,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
+        seg = tl.program_id(0)
+        split = tl.program_id(1)
+        slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
+        start = tl.load(starts_ptr + seg)
+        end = tl.load(starts_ptr + seg + 1)
+        first = start + tl.program_id(2) * BLOCK_M  # this program's first M tile
+        if (slot < 0) | (end <= first):
+            return
+        rank = tl.load(ranks_ptr + slot)
+        offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, BLOCK_R)
+        k_mask = offs_k < K
+        r_mask = offs_r < rank  # rows past the rank are never read: a rank-8 slot costs half a rank-16 one
+        a = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
+                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K], read once
+        a_t = tl.trans(a)
+        ws_split = ws_ptr + split * stride_wsj
+        for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
+            pos = m0 + tl.arange(0, BLOCK_M)
+            m_mask = pos < end
+            tok = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            part = tl.dot(xt, a_t, input_precision=PRECISION)  # [BLOCK_M, BLOCK_R] fp32
+            # columns past the rank hold zeros (A's rows were masked), so the expand reads whole rows
+            tl.store(ws_split + pos[:, None] * stride_wsp + offs_r[None, :], part, mask=m_mask[:, None])
+
+    @triton.jit
+    def _expand_kernel(y_ptr, bt_ptr, ws_ptr, scales_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr,
+                       N, stride_yt, stride_bs, stride_br, stride_wsj, stride_wsp,
+                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
+        seg = tl.program_id(0)
+        n_tile = tl.program_id(1)
+        slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
+        start = tl.load(starts_ptr + seg)
+        end = tl.load(starts_ptr + seg + 1)
+        first = start + tl.program_id(2) * BLOCK_M  # this program's first M tile
+        if (slot < 0) | (end <= first):
+            return
+        rank = tl.load(ranks_ptr + slot)
+        scale = tl.load(scales_ptr + slot)
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        n_mask = offs_n < N
+        r_mask = offs_r < rank
+        bt = tl.load(bt_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N], read once
+        for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
+            pos = m0 + tl.arange(0, BLOCK_M)
+            m_mask = pos < end
+            tok = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)
+            y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :]
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            xa_ptrs = ws_ptr + pos[:, None] * stride_wsp + offs_r[None, :]
+            xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for j in tl.static_range(SPLITS):  # unrolled: every partial's load is in flight at once
+                xa += tl.load(xa_ptrs + j * stride_wsj, mask=m_mask[:, None], other=0.0)
+            xa = (xa * scale).to(bt.dtype)
+            delta = tl.dot(xa, bt, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+            tl.store(y_ptrs, (y_old.to(tl.float32) + delta).to(y_old.dtype), mask=y_mask)

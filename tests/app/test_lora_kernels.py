@@ -1,0 +1,213 @@
+"""Segmented LoRA: `lora_reference` against the literal per-token loop (CPU), and the Triton shrink/expand
+against `lora_reference` (marker `gpu`), eagerly and replayed under a CUDA graph with new metadata."""
+
+import pytest
+import torch
+
+from app.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, lora_reference
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: xa is rounded to bf16 before the expand
+
+
+def past_rank(slot_ranks, max_rank):
+    """[num_slots, max_rank, 1] bool: the padding rows of each slot."""
+    return (torch.arange(max_rank, device=slot_ranks.device)[None, :] >= slot_ranks[:, None])[..., None]
+
+
+def make_weights(num_slots, max_rank, in_features, out_features, dtype, device, seed, ranks=(8, 16)):
+    """Random adapters of mixed ranks, drawn on `device`; rows past each slot's rank are zero, as the slot
+    pool writes them."""
+    gen = torch.Generator(device).manual_seed(seed)
+    pick = torch.randint(len(ranks), (num_slots,), generator=gen, device=device)
+    slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)[pick]
+    A = torch.randn(num_slots, max_rank, in_features, generator=gen, device=device) / in_features ** 0.5
+    BT = torch.randn(num_slots, max_rank, out_features, generator=gen, device=device) / 4.0
+    padding = past_rank(slot_ranks, max_rank)
+    A.masked_fill_(padding, 0.0)
+    BT.masked_fill_(padding, 0.0)
+    scales = torch.rand(num_slots, generator=gen, device=device) + 0.5
+    return A.to(dtype), BT.to(dtype), scales, slot_ranks
+
+
+def make_segments(segments, t_cap, s_cap, gen, device):
+    """segments: [(n_tokens, slot)], slot -1 for base rows. Tokens are shuffled; the tail is padding."""
+    real = sum(n for n, _ in segments)
+    token_order = torch.zeros(t_cap, dtype=torch.int32)
+    token_order[:real] = torch.randperm(real, generator=gen).to(torch.int32)
+    starts, slots = [0], []
+    for n, slot in segments:
+        starts.append(starts[-1] + n)
+        slots.append(slot)
+    starts += [real] * (s_cap - len(segments))  # padding segments: empty, slot -1
+    slots += [-1] * (s_cap - len(segments))
+    as_int = dict(dtype=torch.int32, device=device)
+    return token_order.to(device), torch.tensor(starts, **as_int), torch.tensor(slots, **as_int)
+
+
+def naive(y, x, A, BT, scales, token_order, seg_starts, seg_slots):
+    """The module docstring's loop, token by token, in float64."""
+    out = y.double()
+    for i in range(seg_slots.numel()):
+        s = int(seg_slots[i])
+        if s < 0:
+            continue
+        for t in token_order[int(seg_starts[i]):int(seg_starts[i + 1])].tolist():
+            out[t] += float(scales[s]) * (x[t].double() @ A[s].double().T) @ BT[s].double()
+    return out
+
+
+def rel_error(got, want, y0):
+    return ((got.double() - want.double()).norm() / (want.double() - y0.double()).norm()).item()
+
+
+def base_rows(token_order, seg_starts, seg_slots, real):
+    rows = set(range(real))
+    for i, s in enumerate(seg_slots.tolist()):
+        if s >= 0:
+            rows -= set(token_order[int(seg_starts[i]):int(seg_starts[i + 1])].tolist())
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_token_loop(dtype):
+    gen = torch.Generator().manual_seed(0)
+    A, BT, scales, _ = make_weights(6, 16, 40, 24, dtype, "cpu", seed=0)
+    segments = [(3, 2), (4, -1), (1, 5), (0, 1), (5, 0)]  # a base segment and an empty adapter segment
+    real = sum(n for n, _ in segments)
+    token_order, seg_starts, seg_slots = make_segments(segments, t_cap=real + 3, s_cap=8, gen=gen, device="cpu")
+    x = torch.randn(real, 40, generator=gen).to(dtype)
+    y0 = torch.randn(real, 24, generator=gen).to(dtype)
+    y = y0.clone()
+    lora_reference(y, x, A, BT, scales, token_order, seg_starts, seg_slots)
+    want = naive(y0, x, A, BT, scales, token_order, seg_starts, seg_slots)
+    assert rel_error(y, want, y0) < (1e-6 if dtype == torch.float32 else 1e-2)
+    base = base_rows(token_order, seg_starts, seg_slots, real)
+    assert len(base) == 4 and torch.equal(y[base], y0[base])
+
+
+def test_reference_without_adapters_leaves_y_alone():
+    gen = torch.Generator().manual_seed(1)
+    A, BT, scales, _ = make_weights(2, 8, 16, 16, torch.float32, "cpu", seed=1)
+    token_order, seg_starts, seg_slots = make_segments([(5, -1)], t_cap=8, s_cap=4, gen=gen, device="cpu")
+    y0 = torch.randn(5, 16, generator=gen)
+    y = y0.clone()
+    lora_reference(y, torch.randn(5, 16, generator=gen), A, BT, scales, token_order, seg_starts, seg_slots)
+    assert torch.equal(y, y0)
+
+
+def test_workspace_and_config_sizes():
+    ws = LoRAWorkspace.allocate(t_cap=64, max_rank=8, in_features=[4096, 14336], device="cpu")
+    # rank tile padded to 16; fp32 at K=14336 fits only 512-wide K blocks in SHRINK_SMEM: 28 splits
+    assert ws.xa.shape == (28, 64, 16) and ws.xa.dtype == torch.float32
+    with pytest.raises(ValueError, match="block_n"):
+        KernelConfig(target_splits=4, block_m=16, block_n=96, num_warps=4)
+
+
+def run_kernels(dtype, in_features, out_features, max_rank, segments, t_cap, s_cap, seed, config=None):
+    from app.kernels.lora import lora_apply
+
+    gen = torch.Generator().manual_seed(seed)
+    A, BT, scales, slot_ranks = make_weights(64, max_rank, in_features, out_features, dtype, "cuda", seed)
+    token_order, seg_starts, seg_slots = make_segments(segments, t_cap, s_cap, gen, "cuda")
+    real = sum(n for n, _ in segments)
+    x = torch.randn(real, in_features, device="cuda", dtype=dtype)
+    y0 = torch.randn(real, out_features, device="cuda", dtype=dtype)
+    want = y0.clone()
+    lora_reference(want, x, A, BT, scales, token_order, seg_starts, seg_slots)
+    padding = past_rank(slot_ranks, max_rank)  # the kernels must never read rows past the rank
+    A.masked_fill_(padding, float("nan"))
+    BT.masked_fill_(padding, float("nan"))
+    ws = LoRAWorkspace.allocate(t_cap, max_rank, [in_features], "cuda")
+    ws.xa.fill_(float("nan"))
+    got = y0.clone()
+    lora_apply(got, x, A, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, ws, config)
+    torch.cuda.synchronize()
+    assert rel_error(got, want, y0) < TOLERANCE[dtype]
+    base = base_rows(token_order.cpu(), seg_starts.cpu(), seg_slots.cpu(), real)
+    assert torch.equal(got[base], y0[base])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("max_rank", [16, 64])
+@pytest.mark.parametrize("tokens", [1, 7, 32, 64])
+@pytest.mark.parametrize("shape", [(4096, 1024), (14336, 4096), (1000, 344)])
+def test_decode_matches_reference(dtype, max_rank, tokens, shape):
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(tokens))[:tokens].tolist()
+    segments = [(1, slot) for slot in slots]
+    if tokens > 1:
+        segments[-1] = (1, -1)  # one base row
+    run_kernels(dtype, *shape, max_rank, segments, t_cap=tokens + 5, s_cap=tokens + 3, seed=tokens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("max_rank", [16, 64])
+@pytest.mark.parametrize("shape,segments", [
+    ((4096, 1024), [(3000, 5), (1200, -1), (2500, 9), (1492, 63)]),  # 8192 tokens
+    ((14336, 4096), [(700, 1), (300, 2), (48, -1), (1000, 1)]),  # one slot in two segments
+])
+def test_prefill_matches_reference(dtype, max_rank, shape, segments):
+    run_kernels(dtype, *shape, max_rank, segments, t_cap=8192, s_cap=16, seed=max_rank)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [DECODE, PREFILL])
+def test_configs_agree_at_any_size(config):
+    run_kernels(torch.bfloat16, 4096, 1024, 16, [(40, 3), (1, 4), (90, 5)], t_cap=160, s_cap=8, seed=7,
+                config=config)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_follows_new_metadata():
+    from app.kernels.lora import lora_apply
+
+    gen = torch.Generator().manual_seed(3)
+    t_cap, s_cap, dtype = 48, 20, torch.bfloat16
+    shapes = [(4096, 1024), (14336, 4096)]
+    targets = [make_weights(64, 16, k, n, dtype, "cuda", seed) for seed, (k, n) in enumerate(shapes)]
+    xs = [torch.randn(t_cap, k, device="cuda", dtype=dtype) for k in (4096, 14336)]
+    y0s = [torch.randn(t_cap, n, device="cuda", dtype=dtype) for n in (1024, 4096)]
+    ys = [y0.clone() for y0 in y0s]
+    meta = make_segments([(2, s) for s in range(s_cap)], t_cap, s_cap, gen, "cuda")  # rewritten each round
+    ws = LoRAWorkspace.allocate(t_cap, 16, [4096, 14336], "cuda")
+
+    def step():
+        for (A, BT, scales, ranks), x, y in zip(targets, xs, ys):
+            lora_apply(y, x, A, BT, scales, ranks, *meta, ws)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    rounds = [
+        [(1, s) for s in torch.randperm(64, generator=gen)[:20].tolist()],  # 20 decode rows, distinct slots
+        [(10, 3), (5, -1), (30, 60)],  # long segments, fewer of them
+        [(48, -1)],  # no adapter at all
+        [(7, 2), (0, 5), (1, 9), (12, 2)] + [(1, s) for s in range(16)],  # all 20 segments, one empty
+    ]
+    for segments in rounds:
+        new_meta = make_segments(segments, t_cap, s_cap, gen, "cuda")
+        for static, new in zip(meta, new_meta):
+            static.copy_(new)
+        for y, y0 in zip(ys, y0s):
+            y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        for (A, BT, scales, _), x, y, y0 in zip(targets, xs, ys, y0s):
+            want = y0.clone()
+            lora_reference(want, x, A, BT, scales, *new_meta)
+            if all(s < 0 for _, s in segments):
+                assert torch.equal(y, y0)
+            else:
+                assert rel_error(y, want, y0) < TOLERANCE[dtype], segments
+

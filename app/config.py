@@ -9,7 +9,6 @@ import torch
 from app.targets import SUPPORTED_TARGETS
 
 GiB = 1 << 30
-BACKENDS = ("fused", "peft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,14 +21,17 @@ class EngineConfig:
     target_modules: tuple[str, ...] = SUPPORTED_TARGETS
     host_cache_bytes: int = 2 * GiB
     max_adapter_bytes: int = 2 * GiB
-    backend: str = "fused"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     max_batch_size: int = 32
     max_input_tokens: int = 2048
-    max_total_tokens: int = 65536  # KV budget: sum of prompt + max_tokens over running requests
+    max_total_tokens: int = 65536  # KV cache capacity in tokens where kv_cache_bytes and the GPU do not set it
+    kv_cache_bytes: int | None = None  # KV cache size; None: kv_cache_memory_fraction of free GPU memory (CPU: max_total_tokens)
+    kv_cache_memory_fraction: float = 0.85  # of the GPU memory free after the weights and adapter slots
+    block_size: int = 16  # tokens per KV cache block
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     max_queue: int = 1024
-    max_prefill_tokens_per_step: int = 4096
+    max_prefill_tokens_per_step: int = 2048  # prefill tokens per step; longer prompts are chunked
     prefetch: bool = True  # False: adapters load synchronously when a request needs them
     max_inflight_loads: int = 2
     hint_ttl_s: float = 30.0
@@ -41,8 +43,12 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.block_size not in (16, 32, 64):
+            raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
         unknown = set(self.target_modules) - set(SUPPORTED_TARGETS)

@@ -1,36 +1,39 @@
 """The replica engine: tiered adapter residency, async prefetch and mixed-adapter continuous batching.
 
-`LLMEngine` is synchronous and single-owner: one thread calls `step()`, and every piece of
-mutable state (queue, batch, slot pool, pipeline) is touched only from there. `AsyncEngine`
-(app/async_engine.py) runs it on a thread and streams results to asyncio callers.
+`LLMEngine` is synchronous and single-owner: one thread calls `step()`, and every piece of mutable
+state (scheduler, KV blocks, slot pool, pipeline) is touched only from there. `AsyncEngine`
+(app/async_engine.py) runs it on a thread and streams results to asyncio callers. The core splits as
+nano-vllm's does: the scheduler (app/scheduler.py) plans each step over the KV block manager
+(app/kv_blocks.py), the model runner (app/model_runner.py) runs it (CUDA graphs for decode), and the
+sampler (app/sampler.py) picks every row's token on the device.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.batch import DecodeBatch
+from app.attention import PagedKVCache
 from app.config import EngineConfig
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
-from app.lora import BASE_ROW, FusedBackend, PeftBackend
+from app.kv_blocks import BlockManager
+from app.lora import LoRASlots
+from app.model_runner import ModelRunner
 from app.registry import AdapterRegistry, read_adapter
 from app.request import Request, RequestOutput
-from prefetch.residency import Residency
-from app.sampling import SamplingParams, make_generator, sample
+from app.sampler import RowParams, sample_rows, seed_for
+from app.sampling import SamplingParams
+from app.scheduler import Chunk, Scheduler, StepPlan
 from app.targets import target_shapes
 from prefetch.metrics import Histogram
+from prefetch.residency import Residency
 
-# cuDNN attention, which torch prefers on Hopper, plans a graph per new sequence length; a decode step's
-# KV length grows by one every step, so on the H100 each of the 32 layers spent ~1.9 ms of CPU in planning
-# and an 8B decode step took 90-130 ms instead of ~30 (bench/step_profile.py). Flash / memory-efficient
-# kernels need no plan. MATH stays last for CPU.
-ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+log = logging.getLogger(__name__)
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
 HINT_LEAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -49,21 +52,51 @@ class LLMEngine:
             config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
         )
         self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype, self._steps_left)
-        layout = self.residency.layout
-        if config.backend == "fused":
-            self.backend = FusedBackend(model, layout, config.num_slots)
-        else:
-            self.backend = PeftBackend(model, layout, config.num_slots, config.target_modules)
-        self.residency.attach(self.backend.write_slot)
+        max_step_tokens = config.max_prefill_tokens_per_step + config.max_batch_size
+        self.lora = LoRASlots(model, self.residency.layout, config.num_slots, t_cap=max_step_tokens)
+        self.residency.attach(self.lora.write_slot)
+        self.blocks = BlockManager(self._num_kv_blocks(model), config.block_size)
+        cache = _kv_cache(model, self.blocks.num_blocks, config.block_size, self.dtype, self.device)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_tokens_per_step,
+                                   self._acquire, self._release)
+        self.runner = ModelRunner(model, self.lora, self.blocks, cache, config.max_batch_size, self.max_model_len,
+                                  use_graphs=config.cuda_graphs)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter slots: %d (%.2f GB); decode graphs: %s",
+                 self.blocks.num_blocks, config.block_size, cache.k.numel() * cache.k.element_size() * 2 / 1e9,
+                 config.num_slots, self.lora.nbytes() / 1e9, sorted(self.runner.graphs) or "none")
         self.eos_ids = _eos_ids(model, self.tokenizer)
-        self.waiting: list[Request] = []
-        self.batch = DecodeBatch(model.config, self.device)
         self.requests: dict[str, Request] = {}
         self.hints: OrderedDict[str, float] = OrderedDict()  # adapter_id -> when hinted
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
+
+    def _num_kv_blocks(self, model) -> int:
+        config, mc = self.config, model.config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        per_block = PagedKVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
+                                                 head_dim, self.dtype)
+        if config.kv_cache_bytes is not None:
+            nbytes = config.kv_cache_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            nbytes = int(free * config.kv_cache_memory_fraction)
+        else:
+            return 1 + -(-config.max_total_tokens // config.block_size)
+        blocks = nbytes // per_block
+        if blocks < 2:
+            raise ValueError(f"kv_cache_bytes ({nbytes}) holds {blocks} blocks of {per_block} bytes; at least 2 "
+                             "are needed")
+        return blocks
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -86,21 +119,22 @@ class LLMEngine:
         limit = min(self.config.max_input_tokens, self.max_model_len - 1)
         if len(prompt_ids) > limit:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the limit is {limit}")
-        if len(prompt_ids) + params.max_tokens > self.config.max_total_tokens:
+        capacity = self.blocks.capacity_tokens
+        if len(prompt_ids) + params.max_tokens - 1 > capacity:  # the last token is sampled, never cached
             raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_total_tokens ({self.config.max_total_tokens})"
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache of "
+                f"this replica ({capacity} tokens); lower max_tokens"
             )
         if len(self.waiting) >= self.config.max_queue:
             raise CapacityExceeded(f"the queue holds {len(self.waiting)} requests (max_queue)", retry_after_s=1.0)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, adapter_id, prompt_ids, params, make_generator(params, self.device))
+        request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params))
         if adapter_id is not None:
             self.residency.classify_arrival(adapter_id)
             hinted_at = self.hints.pop(adapter_id, None)
             if hinted_at is not None:
                 self.hint_lead.observe(time.monotonic() - hinted_at)
-        self.waiting.append(request)
+        self.scheduler.add(request)
         self.requests[request_id] = request
         return request
 
@@ -109,11 +143,7 @@ class LLMEngine:
         if request is None or request.finish_reason is not None:
             return None
         request.finish_reason = "abort"
-        if request in self.waiting:
-            self.waiting.remove(request)
-            del self.requests[request_id]
-        else:
-            self._retire()
+        self._finish(request)
         return self._output(request, "", (), error=None)
 
     def hint(self, adapter_ids) -> None:
@@ -128,10 +158,10 @@ class LLMEngine:
             self.residency.prefetch(self._demand())  # start now: the request may be right behind
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.batch.rows or self.residency.is_loading())
+        return self.scheduler.has_work() or self.residency.is_loading()
 
     def has_requests(self) -> bool:
-        return bool(self.waiting or self.batch.rows)
+        return self.scheduler.has_work()
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -141,23 +171,39 @@ class LLMEngine:
         self.residency.poll()
         if self.config.prefetch:
             self.residency.prefetch(self._demand())
-        admitted = self._admit()
-        if not admitted and not self.batch.rows and self.waiting:
-            # Nothing can run: wait briefly for the head's adapter (its load is under way), then
-            # come back, so requests that arrive meanwhile are seen within STALL_POLL_S.
+        plan = self.scheduler.schedule()
+        if plan.is_empty and self.waiting:
+            # Nothing can run: wait briefly for the head's adapter (its load is under way), then come
+            # back, so requests that arrive meanwhile are seen within STALL_POLL_S.
             if self._stalled_since is None:
                 self._stalled_since = time.perf_counter()
             self.residency.stall_for(self.waiting[0].adapter_id, STALL_POLL_S)
             outputs += self._fail_broken_adapters()
-            admitted = self._admit()
-        if self._stalled_since is not None and (admitted or not self.waiting):
+            plan = self.scheduler.schedule()
+        if self._stalled_since is not None and (not plan.is_empty or not self.waiting):
             self.residency.metrics.observe_stall(time.perf_counter() - self._stalled_since)
             self._stalled_since = None
-        for request in admitted:
-            outputs.append(self._prefill(request))
-        if self.batch.rows:
-            outputs += self._decode()
-        self._retire()
+        if not plan.is_empty:
+            outputs += self._run(plan)
+        return outputs
+
+    def _run(self, plan: StepPlan) -> list[RequestOutput]:
+        slots = sorted({c.request.slot for c in plan.chunks if c.request.slot is not None})
+        self.residency.before_forward(slots)
+        logits = self.runner.execute(plan)
+        self.residency.after_forward(slots)
+        for chunk in plan.chunks:
+            chunk.request.num_cached = chunk.end
+        sampled = [c.request for c in plan.chunks if c.samples]
+        if not sampled:
+            return []
+        rows = RowParams.from_params([r.params for r in sampled], [r.seed for r in sampled],
+                                     [len(r.output_ids) for r in sampled], self.device)
+        tokens = sample_rows(logits, rows).tolist()  # the step's one host sync: the tokens must reach the client
+        outputs = [self._append(r, t) for r, t in zip(sampled, tokens)]
+        for request in sampled:
+            if request.finish_reason is not None:
+                self._finish(request)
         return outputs
 
     def _demand(self) -> list[str]:
@@ -167,64 +213,24 @@ class LLMEngine:
         queued = [r.adapter_id for r in self.waiting if r.adapter_id is not None]
         return queued + list(reversed(self.hints))
 
-    def _admit(self) -> list[Request]:
-        config, admitted = self.config, []
-        tokens = sum(r.budget_tokens for r in self.batch.rows)
-        prefill_tokens = 0
-        for request in list(self.waiting):
-            if len(self.batch.rows) + len(admitted) >= config.max_batch_size:
-                break
-            if tokens + request.budget_tokens > config.max_total_tokens:
-                break
-            if admitted and prefill_tokens + len(request.prompt_ids) > config.max_prefill_tokens_per_step:
-                break
-            if request.adapter_id is not None:
-                slot = self.residency.acquire(request.adapter_id, may_block=not config.prefetch)
-                if slot is None:
-                    continue  # deferred: its adapter is not ready; later requests may run
-                request.slot = slot
-            self.waiting.remove(request)
-            admitted.append(request)
-            tokens += request.budget_tokens
-            prefill_tokens += len(request.prompt_ids)
-        return admitted
+    def _acquire(self, request: Request) -> bool:
+        """Scheduler callback: may `request` start running now? Pins its adapter's slot if so."""
+        if request.adapter_id is None:
+            return True
+        slot = self.residency.acquire(request.adapter_id, may_block=not self.config.prefetch)
+        if slot is None:
+            return False  # deferred: its adapter is not ready
+        request.slot = slot
+        return True
 
-    def _forward(self, rows: list[Request], **inputs) -> torch.Tensor:
-        slots = sorted({r.slot for r in rows if r.slot is not None})
-        self.residency.before_forward(slots)
-        with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
-            logits = self.backend.forward([r.slot if r.slot is not None else BASE_ROW for r in rows], **inputs)
-        self.residency.after_forward(slots)
-        return logits[:, -1]
+    def _release(self, request: Request) -> None:
+        if request.slot is not None:
+            self.residency.release(request.slot)
+            request.slot = None
 
-    def _prefill(self, request: Request) -> RequestOutput:
-        ids = torch.tensor([request.prompt_ids], device=self.device)
-        cache = DynamicCache(config=self.model_config)
-        positions = torch.arange(ids.shape[1], device=self.device)[None]
-        logits = self._forward([request], input_ids=ids, position_ids=positions, past_key_values=cache,
-                               use_cache=True, logits_to_keep=1)
-        request.cache_length = ids.shape[1]
-        output = self._append(request, int(self._choose([request], logits)[0]))
-        if request.finish_reason is None:
-            self.batch.join(request, cache)
-        return output
-
-    def _decode(self) -> list[RequestOutput]:
-        rows = self.batch.rows
-        ids = torch.tensor([[r.output_ids[-1]] for r in rows], device=self.device)
-        positions = self.batch.mask.sum(1, keepdim=True)
-        mask = torch.nn.functional.pad(self.batch.mask, (0, 1), value=1)
-        logits = self._forward(rows, input_ids=ids, attention_mask=mask, position_ids=positions,
-                               past_key_values=self.batch.cache, use_cache=True, logits_to_keep=1)
-        self.batch.grow()
-        return [self._append(r, t) for r, t in zip(rows, self._choose(rows, logits))]
-
-    def _choose(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
-        tokens = logits.argmax(-1)
-        for i, request in enumerate(rows):
-            if not request.params.is_greedy:
-                tokens[i] = sample(logits[i], request.params, request.generator)
-        return tokens.tolist()  # the step's one host sync: the tokens must reach the client
+    def _finish(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
 
     def _append(self, request: Request, token: int) -> RequestOutput:
         if request.first_token_at is None:
@@ -239,7 +245,7 @@ class LLMEngine:
         if stop_at is not None:
             text, finish = text[:stop_at], "stop"
         elif finish is None and (len(request.output_ids) >= params.max_tokens
-                                 or request.cache_length + 1 >= self.max_model_len):
+                                 or request.num_tokens >= self.max_model_len):
             finish = "length"
         end = len(text) if finish else request.stop_checker.safe_end(text)
         delta = text[request.emitted:end]
@@ -251,37 +257,17 @@ class LLMEngine:
         return RequestOutput(request.request_id, text, tokens, request.finish_reason is not None,
                              request.finish_reason, len(request.prompt_ids), len(request.output_ids), error)
 
-    def _retire(self) -> None:
-        """Drop finished rows from the batch and release their slots."""
-        keep = []
-        for i, request in enumerate(self.batch.rows):
-            if request.finish_reason is None:
-                keep.append(i)
-            else:
-                self._release(request)
-        self.batch.keep(keep)
-        for request in list(self.requests.values()):
-            if request.finish_reason is not None and request not in self.batch.rows:
-                self._release(request)
-
     def _steps_left(self, slot: int) -> int:
         """Decode steps until every running request on `slot` ends, at most (max_tokens; stops may come sooner)."""
-        return max((r.params.max_tokens - len(r.output_ids) for r in self.batch.rows if r.slot == slot), default=0)
-
-    def _release(self, request: Request) -> None:
-        if request.slot is not None:
-            self.residency.release(request.slot)
-            request.slot = None
-        self.requests.pop(request.request_id, None)
+        return max((r.params.max_tokens - len(r.output_ids) for r in self.running if r.slot == slot), default=0)
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         outputs = []
         for adapter_id, cause in self.residency.take_failures().items():
             error = AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {cause}")
             for request in [r for r in self.waiting if r.adapter_id == adapter_id]:
-                self.waiting.remove(request)
                 request.finish_reason = "error"
-                self.requests.pop(request.request_id, None)
+                self._finish(request)
                 outputs.append(self._output(request, "", (), error=error))
         return outputs
 
@@ -307,8 +293,8 @@ class LLMEngine:
 
     def prompt_logits(self, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
         """Logits [tokens, vocab] at every prompt position, outside the batch (tests, debugging)."""
-        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]], device=self.device)
-        slot = None
+        request = Request(f"logits-{next(self._ids)}", adapter_id, self.tokenizer(prompt)["input_ids"],
+                          SamplingParams(max_tokens=1))
         if adapter_id is not None:
             self.registry.get(adapter_id)
             while (slot := self.residency.acquire(adapter_id, may_block=True)) is None:
@@ -316,26 +302,30 @@ class LLMEngine:
                 self.residency.poll()
                 if failure := self.residency.take_failures().get(adapter_id):
                     raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")
+            request.slot = slot
+        n = request.num_tokens
+        if not self.blocks.can_allocate(request.request_id, n):
+            self._release(request)
+            raise CapacityExceeded(f"the KV cache has no room for {n} tokens now", retry_after_s=1.0)
+        self.blocks.allocate(request.request_id, n)
         try:
-            self.residency.before_forward([slot] if slot is not None else [])
-            with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
-                positions = torch.arange(ids.shape[1], device=self.device)[None]
-                return self.backend.forward([slot], input_ids=ids, position_ids=positions)[0].float().cpu()
+            self.residency.before_forward([request.slot] if request.slot is not None else [])
+            return self.runner.execute(StepPlan(prefill=[Chunk(request, 0, n)]), logits_all=True).float().cpu()
         finally:
-            if slot is not None:
-                self.residency.release(slot)
+            self.blocks.release(request.request_id)
+            self._release(request)
 
     def check_invariants(self) -> None:
         self.residency.check_invariants()
+        self.scheduler.check_invariants()
         pins = [0] * self.config.num_slots
-        for request in self.batch.rows:
-            assert request.finish_reason is None, f"finished {request.request_id} still in the batch"
+        for request in self.running:
+            assert request.finish_reason is None, f"finished {request.request_id} still running"
             if request.adapter_id is not None:
                 assert request.slot is not None and self.residency.pool.slots[request.slot].adapter_id == request.adapter_id
                 pins[request.slot] += 1
         assert pins == [s.pins for s in self.residency.pool.slots], f"pins {pins} != pool"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
-        assert self.batch.mask.shape[0] == len(self.batch.rows)
 
     def routing_stats(self) -> dict:
         """What the router needs to know about this replica."""
@@ -352,7 +342,7 @@ class LLMEngine:
             "resident": snapshot["resident_adapters"],
             "loading": snapshot["loading_adapters"],
             "queued": sorted({r.adapter_id for r in self.waiting if r.adapter_id is not None}),
-            "running": len(self.batch.rows),
+            "running": len(self.running),
             "waiting": len(self.waiting),
             "free_slots": self.residency.pool.free_count(),
             "device": str(self.device),
@@ -364,13 +354,24 @@ class LLMEngine:
         return {
             "steps": self.steps,
             "queue_length": len(self.waiting),
-            "batch_size": len(self.batch.rows),
+            "batch_size": len(self.running),
+            "kv_blocks_total": self.blocks.num_blocks - 1,
+            "kv_blocks_free": self.blocks.free_count(),
+            "preemptions": self.scheduler.preemptions,
+            "decode_graphs": sorted(self.runner.graphs),
+            "graph_capture_seconds": round(self.runner.capture_seconds, 2),
             "hint_lead_seconds": self.hint_lead.as_dict(),
             **self.residency.snapshot(),
         }
 
     def shutdown(self) -> None:
         self.residency.shutdown()
+
+
+def _kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+    mc = model.config
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    return PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, head_dim, dtype, device)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

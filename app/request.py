@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from app.errors import ServingError
 from app.sampling import SamplingParams, StopChecker
 
@@ -29,10 +27,10 @@ class Request:
     adapter_id: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int = 0  # the row's random stream (app/sampler.py); drawn at random when the client gives none
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
-    cache_length: int = 0  # real tokens in this request's KV cache rows
+    num_cached: int = 0  # tokens (prompt, then output) whose K/V are in the cache
     slot: int | None = None  # pinned device slot while running
     emitted: int = 0  # characters of decoded output already streamed
     finish_reason: str | None = None
@@ -44,3 +42,14 @@ class Request:
     @property
     def budget_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the prompt followed by the output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]

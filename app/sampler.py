@@ -36,6 +36,9 @@ def seed_for(params: SamplingParams) -> int:
     return random_seed() if params.seed is None else _int64(params.seed)
 
 
+_INT32_MAX = 2**31 - 1
+
+
 @dataclass
 class RowParams:
     """Per-row sampling parameters as device tensors, one row per batch row.
@@ -85,7 +88,8 @@ class RowParams:
         host = {
             "temperature": ([0.0 if g else p.temperature for g, p in zip(greedy, params)] + [0.0] * pad,
                             torch.float32),
-            "top_k": ([p.top_k for p in params] + [0] * pad, torch.int32),
+            # A top_k past the vocabulary keeps everything; clamp it so any client value fits int32.
+            "top_k": ([min(p.top_k, _INT32_MAX) for p in params] + [0] * pad, torch.int32),
             "top_p": ([p.top_p for p in params] + [1.0] * pad, torch.float32),
             "seed": ([_int64(s) for s in seeds] + [0] * pad, torch.int64),
             "counter": (list(counters) + [0] * pad, torch.int64),

@@ -1,10 +1,8 @@
-"""Sampling parameters, token choice and stop-string handling for one request."""
+"""Sampling parameters and stop-string handling for one request (the token choice is app/sampler.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from app.errors import InvalidRequest
 
@@ -42,34 +40,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
-
-
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.is_greedy:
-        return None
-    generator = torch.Generator(device=device)
-    if params.seed is not None:
-        generator.manual_seed(params.seed)
-    else:
-        generator.seed()
-    return generator
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id from logits [vocab] (0-d tensor, on the logits' device)."""
-    if params.is_greedy:
-        return logits.argmax(-1)
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
-        drop[..., 0] = False  # and the likeliest one, even when top_p rounds to 0 in float32
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]
 
 
 class StopChecker:

@@ -76,7 +76,7 @@ class _Player:
         while self.next_add < len(self.arrivals) or engine.has_work():
             self._send_hints()
             self._add_arrivals()
-            only_loading = not engine.waiting and not engine.batch.rows
+            only_loading = not engine.waiting and not engine.running
             if engine.has_work() and not (only_loading and self.idle_poll_s > 0):
                 self._record(engine.step())
             else:

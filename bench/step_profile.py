@@ -38,7 +38,7 @@ def profile_batch(engine, names, rows: int, with_adapters: bool, steps: int, con
     for i in range(rows):
         adapter = names[i % len(names)] if with_adapters else None
         engine.add_request([(7 * i + j) % 1000 + 10 for j in range(context)], adapter, params, f"p{i}")
-    while engine.waiting or len(engine.batch.rows) < rows:  # admit and prefill everyone
+    while engine.waiting or len(engine.running) < rows:  # admit and prefill everyone
         engine.step()
     forward_s = []
     original = engine._forward

@@ -29,13 +29,20 @@ class AppArgs(BaseModel):
     max_rank: int = Field(default=16, ge=1, description="Largest adapter rank; slots are padded to it.")
     host_cache_bytes: int = Field(default=4 * GiB, ge=1, description="Host (pinned) adapter cache per replica.")
     max_adapter_bytes: int = Field(default=2 * GiB, ge=1, description="Largest adapter file accepted.")
-    backend: Literal["fused", "peft"] = Field(default="fused", description="Multi-LoRA forward implementation.")
     device: str = Field(default="auto", description="auto | cpu | cuda. auto uses a GPU per replica when the cluster has GPUs.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="auto: bfloat16 on CUDA, float32 on CPU.")
     max_batch_size: int = Field(default=32, ge=1, description="Rows in one decode batch.")
     max_input_tokens: int = Field(default=2048, ge=1, description="Longest prompt, in tokens.")
-    max_total_tokens: int = Field(default=65536, ge=2, description="KV budget: sum of prompt + max_tokens in flight.")
+    max_total_tokens: int = Field(default=65536, ge=2, description="KV cache capacity in tokens on CPU (or where "
+                                  "kv_cache_bytes is unset and there is no GPU).")
+    kv_cache_bytes: int | None = Field(default=None, ge=1, description="KV cache size per replica. Default: "
+                                       "kv_cache_memory_fraction of the GPU memory left after weights and slots.")
+    kv_cache_memory_fraction: float = Field(default=0.85, gt=0, le=1, description="Share of the free GPU memory the "
+                                            "KV cache takes when kv_cache_bytes is unset.")
+    max_prefill_tokens_per_step: int = Field(default=2048, ge=1, description="Prefill tokens in one engine step; "
+                                             "longer prompts are prefilled in chunks between decode steps.")
+    cuda_graphs: bool = Field(default=True, description="Capture decode steps in CUDA graphs (CUDA only).")
     max_queue: int = Field(default=256, ge=1, description="Requests waiting inside a replica before 429.")
     default_max_tokens: int = Field(default=16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (False: load on demand, synchronously).")
@@ -70,9 +77,11 @@ class AppArgs(BaseModel):
         return EngineConfig(
             base_model=self.base_model, adapter_roots=tuple(self.adapter_roots), num_slots=self.num_slots,
             max_rank=self.max_rank, host_cache_bytes=self.host_cache_bytes, max_adapter_bytes=self.max_adapter_bytes,
-            backend=self.backend, device=self.device, dtype=self.dtype, max_batch_size=self.max_batch_size,
+            device=self.device, dtype=self.dtype, max_batch_size=self.max_batch_size,
             max_input_tokens=self.max_input_tokens, max_total_tokens=self.max_total_tokens, max_queue=self.max_queue,
-            prefetch=self.prefetch,
+            prefetch=self.prefetch, kv_cache_bytes=self.kv_cache_bytes,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_prefill_tokens_per_step=self.max_prefill_tokens_per_step, cuda_graphs=self.cuda_graphs,
         )
 
     def initial_adapters(self) -> dict[str, str]:

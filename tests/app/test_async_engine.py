@@ -63,10 +63,10 @@ def test_cancel_frees_row_and_pin_within_one_step(async_engine, adapter_names, m
         async for output in stream:
             if output.completion_tokens >= 3:
                 break
-        running = await engine.call(lambda e: (len(e.batch), e.residency.pool.pinned_count()))
+        running = await engine.call(lambda e: (len(e.running), e.residency.pool.pinned_count()))
         await stream.aclose()  # the client went away
         await asyncio.sleep(0.05)
-        after = await engine.call(lambda e: (len(e.batch), e.residency.pool.pinned_count(), e.steps))
+        after = await engine.call(lambda e: (len(e.running), e.residency.pool.pinned_count(), e.steps))
         await engine.call(lambda e: e.check_invariants())
         return running, after
 

@@ -12,9 +12,8 @@ def alone(engine, prompt, adapter, params):
     return run_all(engine)[request.request_id]
 
 
-@pytest.mark.parametrize("backend", ["fused", "peft"])
-def test_mixed_batch_equals_each_request_alone(make_engine, manifest, adapter_names, backend):
-    engine = make_engine(backend=backend, num_slots=8)
+def test_mixed_batch_equals_each_request_alone(make_engine, manifest, adapter_names):
+    engine = make_engine(num_slots=8)
     prompts = manifest["prompts"]
     jobs = [(prompts[i % len(prompts)], adapter) for i, adapter in enumerate(adapter_names + [None, None])]
     assert len(jobs) >= 8 and len(set(adapter_names)) >= 6
@@ -23,13 +22,13 @@ def test_mixed_batch_equals_each_request_alone(make_engine, manifest, adapter_na
     expected = [alone(engine, p, a, s) for (p, a), s in zip(jobs, params)]
     requests = [engine.add_request(p, a, s) for (p, a), s in zip(jobs, params)]
     widest = []
-    tokens = run_all(engine, check=True, on_step=lambda e: widest.append(len(e.batch)))
+    tokens = run_all(engine, check=True, on_step=lambda e: widest.append(len(e.running)))
     assert max(widest) >= 8, "the requests never shared a batch"
     assert [tokens[r.request_id] for r in requests] == expected
 
 
 def test_late_joiners_match_alone(make_engine, manifest, adapter_names):
-    """Requests that join a running batch mid-decode (left-padded cache) still match."""
+    """Requests that join a running batch mid-decode (paged cache, batched prefill) still match."""
     engine = make_engine(num_slots=8)
     prompts = manifest["prompts"]
     jobs = [(prompts[i % len(prompts)] * (1 + i % 2), a) for i, a in enumerate(adapter_names[:4] + [None])]

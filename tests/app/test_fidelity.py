@@ -32,22 +32,20 @@ def references(demo_dir, manifest):
     return out
 
 
-@pytest.mark.parametrize("backend", ["fused", "peft"])
-def test_greedy_tokens_equal_peft_generate(make_engine, references, backend):
-    engine = make_engine(backend=backend, num_slots=8)
+def test_greedy_tokens_equal_peft_generate(make_engine, references):
+    engine = make_engine(num_slots=8)
     ids = {}
     for (adapter, prompt) in references:
         request = engine.add_request(prompt, adapter, greedy(MAX_NEW))
         ids[request.request_id] = (adapter, prompt)
     tokens = run_all(engine, check=True)
     for request_id, key in ids.items():
-        assert tokens[request_id] == references[key][0], f"{backend} {key}"
+        assert tokens[request_id] == references[key][0], key
 
 
-@pytest.mark.parametrize("backend", ["fused", "peft"])
-def test_prompt_logits_within_1e_4(make_engine, references, backend):
-    engine = make_engine(backend=backend, num_slots=2)
+def test_prompt_logits_within_1e_4(make_engine, references):
+    engine = make_engine(num_slots=2)
     for (adapter, prompt), (_, expected) in references.items():
         got = engine.prompt_logits(prompt, adapter)
-        assert (got - expected).abs().max().item() <= 1e-4, (backend, adapter, prompt)
+        assert (got - expected).abs().max().item() <= 1e-4, (adapter, prompt)
     engine.check_invariants()

@@ -56,7 +56,7 @@ def test_waiting_adapter_takes_the_slot_that_frees_soonest(make_engine, manifest
     prompt = manifest["prompts"][0]
     engine.add_request(prompt, long_run, greedy(40, ignore_eos=True))  # least recently used once both run
     engine.add_request(prompt, short_run, greedy(6, ignore_eos=True))
-    while len(engine.batch.rows) < 2:
+    while len(engine.running) < 2:
         engine.step()
     request = engine.add_request(prompt, waiting, greedy(2))
     engine.step()

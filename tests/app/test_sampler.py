@@ -113,3 +113,14 @@ def test_static_buffers_refill_in_place():
 def test_fill_refuses_too_many_rows():
     with pytest.raises(ValueError, match="3 rows exceeds the buffers' 2 rows"):
         RowParams.empty(2, CPU).fill_([SamplingParams()] * 3, [0] * 3, [0] * 3)
+
+
+def test_top_k_beyond_int32_is_the_same_as_no_top_k():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)).expand(2, 50)
+    huge = SamplingParams(temperature=1.0, top_k=10**30)
+    off = SamplingParams(temperature=1.0)
+    rows = RowParams.from_params([huge, off], [1, 1], [0, 0], "cpu")
+    masked = masked_logits(logits, rows)
+    assert torch.equal(masked[0], masked[1]) and masked.isfinite().all()
+    drawn = sample_rows(logits, rows)
+    assert drawn[0] == drawn[1]

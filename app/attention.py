@@ -1,0 +1,120 @@
+"""Paged, GQA-native attention plugged into transformers' own Llama through its AttentionInterface.
+
+The model runner flattens every sequence of a step into one row of tokens ([1, T]: decode rows first,
+one token each, then prefill chunks) and hands each attention module the step's `AttentionMetadata`.
+transformers computes q/k/v and RoPE as usual and then calls `paged_attention`, which writes the new
+K/V into the preallocated paged cache and attends:
+- decode rows: one batched call of the Triton kernel (app/kernels/attention.py) on CUDA, which reads each
+  K/V token once per group of query heads (no repeat_kv), inside a CUDA graph; its reference on CPU;
+- prefill chunks: per sequence, SDPA over the sequence's cached K/V (causal; bottom-right aligned when
+  earlier chunks are cached, see `_prefill_one`).
+Registering a name that has no mask function makes transformers skip its own mask building.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from app.kernels import attention as kernels
+
+ATTENTION_NAME = "lora_serve_paged"
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache row (block * block_size + offset) that each token writes
+    num_decode: int  # the first num_decode tokens are decode rows, one token each (padding rows included)
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decode] int32, 0 for a padding row
+    decode_workspace: kernels.DecodeWorkspace | None  # preallocated split-K scratch (graphs), or None
+    prefill_blocks: list[torch.Tensor]  # per prefill chunk: its block ids [n_blocks] long
+    prefill_query_starts: list[int]  # [P + 1], relative to the first prefill token
+    prefill_context_lens: list[int]  # [P]: cached tokens of each sequence once this chunk is written
+    use_kernel: bool  # decode through Triton (CUDA) or the torch reference
+
+
+class PagedKVCache:
+    """The device K/V tensors, allocated once: [layers, num_blocks, block_size, kv_heads, head_dim] each."""
+
+    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class AttentionState:
+    """What the attention modules of one engine share: the cache and the current step's metadata."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+        self.meta: AttentionMetadata | None = None
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
+    state: AttentionState = module.paged_state
+    meta, layer = state.meta, module.layer_idx
+    k_cache, v_cache = state.cache.k[layer], state.cache.v[layer]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    _, kv_heads, head_dim = k_cache.shape[1:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        if meta.use_kernel:
+            kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                           scaling, out=out[:nd], workspace=meta.decode_workspace)
+        else:
+            out[:nd] = kernels.paged_decode_reference(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                      meta.decode_context_lens, scaling)
+    starts = meta.prefill_query_starts
+    for i, length in enumerate(meta.prefill_context_lens):
+        first, last = nd + starts[i], nd + starts[i + 1]
+        out[first:last] = _prefill_one(q[first:last], k_cache, v_cache, meta.prefill_blocks[i], length, scaling)
+    return out.unsqueeze(0), None
+
+
+def _prefill_one(q, k_cache, v_cache, blocks, length, scale):
+    """One sequence's chunk of n queries, the last n of its `length` cached tokens: [n, H, D].
+
+    SDPA's fused kernels take only 4-D inputs. With no cached prefix the causal flash kernel runs with
+    `enable_gqa` (K/V read once per group). A later chunk needs a bottom-right mask, which flash does not
+    take and the memory-efficient kernel takes only without `enable_gqa`, so there K/V are repeated per
+    query head for this one sequence (a copy of its context, small beside the chunk's GEMMs).
+    """
+    n = q.shape[0]
+    k = k_cache[blocks].flatten(0, 1)[:length].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = v_cache[blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
+    q = q.transpose(0, 1)[None]  # [1, H, n, D]
+    if n == length:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        group = q.shape[1] // k.shape[1]
+        keys = torch.arange(length, device=q.device)
+        mask = keys[None, :] <= keys[length - n:, None]  # bottom-right causal
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                           attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
+
+
+def kernel_supports(head_dim: int, device: torch.device) -> bool:
+    return device.type == "cuda" and kernels.triton is not None and head_dim in (64, 128)
+
+
+def install(model, state: AttentionState) -> None:
+    """Point every attention module of `model` at `state` and switch the model to paged attention."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    for layer in model.model.layers:
+        layer.self_attn.paged_state = state
+    model.config._attn_implementation = ATTENTION_NAME

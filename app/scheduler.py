@@ -1,0 +1,165 @@
+"""The step scheduler: which requests feed which tokens this step. Pure Python, no torch.
+
+Every running request is a sequence of token ids (prompt, then output) of which the first `num_cached`
+are in the KV cache. A step feeds each scheduled request a chunk `ids[num_cached : num_cached + n]`;
+when the chunk reaches the end of the sequence, the step samples the request's next token.
+- A decode row feeds its one newest token. Every decode row runs every step.
+- Prefill chunks (new requests, long prompts split into pieces, preempted requests re-reading their
+  tokens) share a per-step token budget, so a long prompt never freezes the decode rows for its whole
+  prefill: a step with prefill work also decodes every running row (Sarathi-style mixed steps).
+- KV blocks are taken as chunks need them. When a decode row needs a block and none is free, the
+  youngest running request is preempted: its blocks are freed and it waits at the head of the
+  queue to recompute its tokens later (vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from app.kv_blocks import BlockManager
+
+
+class Sequence(Protocol):
+    request_id: str
+    num_cached: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request: Sequence
+    start: int  # first position fed (tokens before it are cached)
+    length: int  # tokens fed this step
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk finish the sequence, so the step samples a token for it?"""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    decode: list[Chunk] = field(default_factory=list)  # one token each
+    prefill: list[Chunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """Decode rows first, then prefill chunks: the order of the step's tokens."""
+        return self.decode + self.prefill
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool(self.decode) and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_step: int,
+                 acquire: Callable[[Sequence], bool], release: Callable[[Sequence], None]):
+        """acquire(request) -> whether it may run now (its adapter slot is pinned); release undoes it."""
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_tokens_per_step = max_tokens_per_step
+        self._acquire, self._release = acquire, release
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the last is the youngest
+        self.preemptions = 0
+
+    def add(self, request: Sequence) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Sequence) -> None:
+        """A request ended (finished, aborted, failed): free what it holds."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            self._release(request)
+        self.blocks.release(request.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        decoding = [r for r in self.running if r.num_tokens - r.num_cached == 1]
+        for request in decoding:
+            if request not in self.running:  # preempted for an older row earlier in this loop
+                continue
+            if not self._make_room(request, request.num_tokens, plan):
+                continue
+            plan.decode.append(Chunk(request, request.num_cached, 1))
+        budget = self.max_tokens_per_step
+        for request in [r for r in self.running if r.num_tokens - r.num_cached > 1]:
+            if budget <= 0:
+                break
+            budget -= self._schedule_prefill(request, budget, plan)
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_batch_size:
+                break
+            if not self._can_admit(request, budget):
+                break  # first come, first served for KV space: later requests do not overtake
+            if not self._acquire(request):
+                continue  # its adapter is not ready; later requests may run meanwhile
+            self.waiting.remove(request)
+            self.running.append(request)
+            budget -= self._schedule_prefill(request, budget, plan)
+        return plan
+
+    def _can_admit(self, request: Sequence, budget: int) -> bool:
+        first = min(request.num_tokens - request.num_cached, budget)
+        # Keep one block per running row in reserve, so admitting does not force the next decode
+        # steps to preempt at once.
+        return self.blocks.can_allocate(request.request_id, request.num_cached + first, reserve=len(self.running))
+
+    def _schedule_prefill(self, request: Sequence, budget: int, plan: StepPlan) -> int:
+        length = min(request.num_tokens - request.num_cached, budget)
+        while length > 0 and not self.blocks.can_allocate(request.request_id, request.num_cached + length):
+            length -= self.blocks.block_size  # shrink the chunk to the blocks that are free
+        if length <= 0:
+            return 0
+        self.blocks.allocate(request.request_id, request.num_cached + length)
+        plan.prefill.append(Chunk(request, request.num_cached, length))
+        return length
+
+    def _make_room(self, request: Sequence, tokens: int, plan: StepPlan) -> bool:
+        """Allocate KV for `tokens` tokens of `request`, preempting younger requests; False if it was
+        the youngest and was preempted itself."""
+        while not self.blocks.can_allocate(request.request_id, tokens):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        self.blocks.allocate(request.request_id, tokens)
+        return True
+
+    def _preempt(self, request: Sequence, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self._release(request)
+        self.blocks.release(request.request_id)
+        request.num_cached = 0
+        self.waiting.insert(0, request)
+        plan.decode = [c for c in plan.decode if c.request is not request]
+        plan.preempted.append(request)
+        self.preemptions += 1
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants()
+        assert not set(map(id, self.running)) & set(map(id, self.waiting)), "a request both runs and waits"
+        assert len(self.running) <= self.max_batch_size, f"{len(self.running)} rows > {self.max_batch_size}"
+        for request in self.running:
+            table = self.blocks.tables.get(request.request_id, [])
+            assert len(table) * self.blocks.block_size >= request.num_cached, f"{request.request_id} lost KV"
+        for request in self.waiting:
+            assert request.request_id not in self.blocks.tables, f"waiting {request.request_id} holds blocks"

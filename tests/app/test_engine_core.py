@@ -1,0 +1,56 @@
+"""The engine core on the tiny demo: chunked prefill, KV exhaustion (preemption and refusal), batched prefill."""
+
+import pytest
+
+from app.errors import InvalidRequest
+from engine_helpers import greedy, run_all
+
+
+def jobs(manifest, adapter_names, n=10):
+    prompts = manifest["prompts"]
+    return [(prompts[i % len(prompts)] * (1 + i % 3), (adapter_names + [None])[i % (len(adapter_names) + 1)])
+            for i in range(n)]
+
+
+def generate(engine, work, max_tokens=10):
+    requests = [engine.add_request(p, a, greedy(max_tokens, ignore_eos=True)) for p, a in work]
+    tokens = run_all(engine, check=True)
+    return [tokens[r.request_id] for r in requests]
+
+
+def test_chunked_prefill_equals_unchunked(make_engine, manifest, adapter_names):
+    work = jobs(manifest, adapter_names)
+    whole = generate(make_engine(num_slots=8), work)
+    chunked_engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
+    chunked = generate(chunked_engine, work)
+    assert chunked == whole
+    assert max(len(chunked_engine.tokenizer(p)["input_ids"]) for p, _ in work) > 7, "no prompt was chunked"
+
+
+def test_batched_prefill_runs_several_requests_in_one_step(make_engine, manifest, adapter_names):
+    engine = make_engine(num_slots=8)
+    work = jobs(manifest, adapter_names, 6)
+    generate(engine, work, max_tokens=1)  # make the adapters resident first
+    for prompt, adapter in work:
+        engine.add_request(prompt, adapter, greedy(4))
+    outputs = engine.step()
+    assert len({a for _, a in work}) == 6
+    assert len(outputs) == 6 and len(engine.running) == 6, "the six prefills did not share one step"
+
+
+def test_kv_exhaustion_preempts_and_outputs_stay_exact(make_engine, manifest, adapter_names):
+    work = jobs(manifest, adapter_names, 8)
+    roomy = generate(make_engine(num_slots=8), work, max_tokens=24)
+    # 12 blocks of 16 tokens for 8 requests of up to ~70 tokens each: they cannot all stay resident.
+    tight = make_engine(num_slots=8, max_total_tokens=192, max_input_tokens=128)
+    assert generate(tight, work, max_tokens=24) == roomy
+    metrics = tight.metrics()
+    assert metrics["preemptions"] > 0, "the cache never ran out"
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"] and metrics["slots_pinned"] == 0
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submission(make_engine, manifest):
+    engine = make_engine(max_total_tokens=64, max_input_tokens=32)
+    with pytest.raises(InvalidRequest, match="KV cache"):
+        engine.add_request(manifest["prompts"][0], None, greedy(60))
+    assert not engine.has_requests()

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from app.attention import PagedKVCache
 from app.config import EngineConfig
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
-from app.kv_blocks import BlockManager
+from app.kv_blocks import BlockManager, blocks_for
 from app.lora import LoRASlots
 from app.model_runner import ModelRunner
 from app.registry import AdapterRegistry, read_adapter
@@ -77,18 +77,21 @@ class LLMEngine:
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         per_block = PagedKVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
                                                  head_dim, self.dtype)
+        # Never more than every row at the model's full length can use (a small model on a big GPU would
+        # otherwise take tens of GB and millions of blocks for nothing).
+        useful = 1 + config.max_batch_size * blocks_for(self.max_model_len, config.block_size)
         if config.kv_cache_bytes is not None:
             nbytes = config.kv_cache_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             nbytes = int(free * config.kv_cache_memory_fraction)
         else:
-            return 1 + -(-config.max_total_tokens // config.block_size)
+            return min(useful, 1 + blocks_for(config.max_total_tokens, config.block_size))
         blocks = nbytes // per_block
         if blocks < 2:
             raise ValueError(f"kv_cache_bytes ({nbytes}) holds {blocks} blocks of {per_block} bytes; at least 2 "
                              "are needed")
-        return blocks
+        return min(blocks, useful)
 
     @property
     def waiting(self) -> list[Request]:

@@ -53,8 +53,8 @@ class LoRAContext:
         self.use_kernel = use_kernel
         self.workspace = workspace
         self.scales = torch.zeros(n_modules, num_slots, dtype=torch.float32, device=device)  # [module, slot]
-        # Each slot's rank, so the kernels skip an adapter's padding rows. Padding rows are zero, so max_rank
-        # is always correct; the residency writes the real rank when it loads a slot.
+        # Each slot's rank, so the kernels skip an adapter's padding rows (a rank-8 adapter in rank-16 slots
+        # reads half the bytes). Padding rows are zero, so max_rank is always correct; a load writes the real one.
         self.slot_ranks = torch.full((num_slots,), max_rank, dtype=torch.int32, device=device)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, BT: torch.Tensor, module_index: int) -> None:
@@ -110,7 +110,9 @@ class LoRASlots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._slot_views[0]) * self.num_slots
 
-    def write_slot(self, slot: int, flat: torch.Tensor, scales: torch.Tensor) -> None:
-        """Runs on the copy stream (CUDA): the same slot tensors the captured graphs read, ordered by events."""
+    def write_slot(self, slot: int, flat: torch.Tensor, scales: torch.Tensor, rank: int = 0) -> None:
+        """Runs on the copy stream (CUDA): the same slot tensors the captured graphs read, ordered by events.
+        rank: the adapter's largest rank (0: unknown), so the kernels read no padding rows."""
         torch._foreach_copy_(self._slot_views[slot], self.layout.views(flat), non_blocking=True)
         self.ctx.scales[:, slot].copy_(scales, non_blocking=True)
+        self.ctx.slot_ranks[slot].fill_(rank if 0 < rank <= self.layout.max_rank else self.layout.max_rank)

@@ -16,8 +16,8 @@ import torch
 
 from prefetch.host_cache import HostAdapter
 
-# write_slot(slot, flat, scales) scatters a packed adapter (device or host memory) into a slot.
-WriteSlot = Callable[[int, torch.Tensor, torch.Tensor], None]
+# write_slot(slot, flat, scales, rank) scatters a packed adapter (device or host memory) into a slot.
+WriteSlot = Callable[[int, torch.Tensor, torch.Tensor, int], None]
 
 
 class Transfer(Protocol):
@@ -70,7 +70,7 @@ class CudaCopier:
             start.record()
             staging.copy_(host.flat, non_blocking=True)
             copied.record()
-            self._write_slot(slot, staging, host.scales.to(self.device, non_blocking=True))
+            self._write_slot(slot, staging, host.scales.to(self.device, non_blocking=True), host.rank)
             done.record()
         return CudaTransfer(host, start, copied, done)
 
@@ -111,7 +111,7 @@ class ThreadCopier:
     def start(self, slot: int, host: HostAdapter) -> ThreadTransfer:
         def copy() -> float:
             begin = time.perf_counter()
-            self._write_slot(slot, host.flat, host.scales)
+            self._write_slot(slot, host.flat, host.scales, host.rank)
             return time.perf_counter() - begin
 
         return ThreadTransfer(self._executor.submit(copy), host.nbytes)

@@ -17,6 +17,7 @@ class HostAdapter:
     flat: torch.Tensor  # [layout.numel], engine dtype, pinned when CUDA is available
     scales: torch.Tensor  # [n_modules] float32
     read_seconds: float  # disk read + pack
+    rank: int = 0  # the adapter's largest rank (0: unknown, treated as the layout's max_rank)
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +86,7 @@ class HostCache:
     def _timed_read(self, adapter_id: str) -> HostAdapter:
         start = time.perf_counter()
         host = self._read_fn(adapter_id)
-        return HostAdapter(host.adapter_id, host.flat, host.scales, time.perf_counter() - start)
+        return HostAdapter(host.adapter_id, host.flat, host.scales, time.perf_counter() - start, host.rank)
 
     def collect(self, adapter_id: str) -> HostAdapter:
         """Result of a finished read (raises its error); moves it into the LRU. Call only when done."""

@@ -55,7 +55,8 @@ class Residency:
         low, high = (value.item() for value in torch.aminmax(flat))
         if not -MAX_ABS_WEIGHT <= low <= high <= MAX_ABS_WEIGHT:  # also false for NaN and overflowed casts
             raise ValueError(f"weights reach [{low:g}, {high:g}] in {self.dtype}; the limit is ±{MAX_ABS_WEIGHT:g}")
-        return HostAdapter(adapter_id, flat, scales.pin_memory() if pin else scales, 0.0)
+        rank = max((part[2] for part in parts.values()), default=0)
+        return HostAdapter(adapter_id, flat, scales.pin_memory() if pin else scales, 0.0, rank)
 
     # --- per step -------------------------------------------------------------------------------
 

@@ -65,3 +65,16 @@ def test_waiting_adapter_takes_the_slot_that_frees_soonest(make_engine, manifest
     outputs = run_all(engine, check=True)
     assert len(outputs[request.request_id]) == 2
     assert engine.residency.pool.lookup(waiting) == short_slot
+
+
+def test_slots_record_each_adapters_rank_for_the_kernels(make_engine, manifest):
+    """Mixed ranks share max_rank slots; the rank a load records lets the kernels skip the padding rows."""
+    engine = make_engine(num_slots=8)
+    ranks = {a["name"]: a["rank"] for a in manifest["adapters"]}
+    assert len(set(ranks.values())) > 1, "the demo should mix ranks"
+    for name in ranks:
+        engine.add_request(manifest["prompts"][0], name, greedy(1))
+    run_all(engine)
+    for slot, state in enumerate(engine.residency.pool.slots):
+        if state.adapter_id is not None:
+            assert engine.lora.ctx.slot_ranks[slot].item() == ranks[state.adapter_id], state.adapter_id

@@ -52,3 +52,26 @@ def write_result(workload: str, payload: dict, out_dir: Path = RESULTS) -> Path:
     path = out_dir / f"{device_slug()}-{workload}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def timed_ms(fn, iters: int, warmup: int = 3, host: bool = False) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn after `warmup` calls: the GPU time between two CUDA
+    events, or with host=True the host's wall time up to the GPU being done (host work included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if host:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times

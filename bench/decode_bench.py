@@ -32,6 +32,7 @@ from app.lora import LoRASlots
 from app.model_runner import ModelRunner
 from app.scheduler import Chunk, StepPlan
 from app.targets import target_shapes
+from bench.common import timed_ms
 from prefetch.layout import SlotLayout
 
 
@@ -52,32 +53,12 @@ class Seq:
         return (self.prompt + self.output)[start:end]
 
 
-def cuda_ms(fn, iters: int, warm: int = 3) -> list[float]:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+def cuda_ms(fn, iters: int) -> list[float]:
+    return timed_ms(fn, iters)
 
 
-def host_ms(fn, iters: int, warm: int = 3) -> list[float]:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+def host_ms(fn, iters: int) -> list[float]:
+    return timed_ms(fn, iters, host=True)
 
 
 def profile_table(fn, title: str, steps: int = 3) -> None:

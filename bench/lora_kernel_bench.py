@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from app.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, lora_apply
+from bench.common import timed_ms
 
 TARGETS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
            "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}  # (in, out)
@@ -44,17 +46,7 @@ def hbm_read_rate(iters: int = 10) -> float:
 
 
 def median_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(timed_ms(fn, iters, warmup))
 
 
 def adapter_bytes(distinct: int) -> int:

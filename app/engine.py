@@ -52,7 +52,8 @@ class LLMEngine:
             config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
         )
         self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype, self._steps_left)
-        max_step_tokens = config.max_prefill_tokens_per_step + config.max_batch_size
+        # A step feeds at most the prefill budget plus one token per decode row; prompt_logits feeds a whole prompt.
+        max_step_tokens = max(config.max_prefill_tokens_per_step, config.max_input_tokens) + config.max_batch_size
         self.lora = LoRASlots(model, self.residency.layout, config.num_slots, t_cap=max_step_tokens)
         self.residency.attach(self.lora.write_slot)
         self.blocks = BlockManager(self._num_kv_blocks(model), config.block_size)

@@ -104,7 +104,8 @@ class Scheduler:
         for request in [r for r in self.running if r.num_tokens - r.num_cached > 1]:
             if budget <= 0:
                 break
-            budget -= self._schedule_prefill(request, budget, plan)
+            if request in self.running:  # not preempted by an older one in this loop
+                budget -= self._schedule_prefill(request, budget, plan, may_preempt=True)
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
@@ -123,15 +124,24 @@ class Scheduler:
         # steps to preempt at once.
         return self.blocks.can_allocate(request.request_id, request.num_cached + first, reserve=len(self.running))
 
-    def _schedule_prefill(self, request: Sequence, budget: int, plan: StepPlan) -> int:
-        length = min(request.num_tokens - request.num_cached, budget)
-        while length > 0 and not self.blocks.can_allocate(request.request_id, request.num_cached + length):
-            length -= self.blocks.block_size  # shrink the chunk to the blocks that are free
+    def _schedule_prefill(self, request: Sequence, budget: int, plan: StepPlan, may_preempt: bool = False) -> int:
+        """Schedule the next chunk of `request`, as long as the budget and the free blocks allow.
+
+        may_preempt: a running request that gets no block at all preempts younger ones, so requests
+        stuck mid-prefill with the cache full cannot wait on each other forever (the oldest goes on)."""
+        length = min(request.num_tokens - request.num_cached, budget, self._room(request))
         if length <= 0:
-            return 0
+            if not may_preempt or not self._make_room(request, request.num_cached + 1, plan):
+                return 0
+            length = min(request.num_tokens - request.num_cached, budget, self._room(request))
         self.blocks.allocate(request.request_id, request.num_cached + length)
         plan.prefill.append(Chunk(request, request.num_cached, length))
         return length
+
+    def _room(self, request: Sequence) -> int:
+        """Tokens `request` could add with its blocks and every free one."""
+        have = len(self.blocks.tables.get(request.request_id, ()))
+        return (have + self.blocks.free_count()) * self.blocks.block_size - request.num_cached
 
     def _make_room(self, request: Sequence, tokens: int, plan: StepPlan) -> bool:
         """Allocate KV for `tokens` tokens of `request`, preempting younger requests; False if it was
@@ -151,6 +161,7 @@ class Scheduler:
         request.num_cached = 0
         self.waiting.insert(0, request)
         plan.decode = [c for c in plan.decode if c.request is not request]
+        plan.prefill = [c for c in plan.prefill if c.request is not request]
         plan.preempted.append(request)
         self.preemptions += 1
 

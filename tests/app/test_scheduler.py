@@ -128,3 +128,21 @@ def test_deferred_adapter_lets_later_requests_run():
     sched.add(a), sched.add(b)
     plan = sched.schedule()
     assert [c.request for c in plan.prefill] == [b] and sched.waiting == [a]
+
+
+def test_requests_stuck_mid_prefill_with_a_full_cache_do_not_wait_on_each_other():
+    sched, _ = make(num_blocks=5, block_size=4, budget=4)  # 4 usable blocks, 16 tokens
+    old, young = Seq("old", 12), Seq("young", 12)
+    sched.running = [old, young]  # both mid-prefill, holding every block between them
+    sched.blocks.allocate("old", 8), sched.blocks.allocate("young", 8)
+    old.num_cached = young.num_cached = 8
+    plan = sched.schedule()
+    assert plan.preempted == [young] and [(c.request, c.start, c.length) for c in plan.prefill] == [(old, 8, 4)]
+    sched.check_invariants()
+    for _ in range(20):  # both finish
+        run(sched, sched.schedule())
+        for r in list(sched.running):
+            if len(r.output) >= 2:
+                sched.remove(r)
+        sched.check_invariants()
+    assert not sched.has_work() and old.output and young.output

@@ -7,7 +7,7 @@ when the chunk reaches the end of the sequence, the step samples the request's n
 - Prefill chunks (new requests, long prompts split into pieces, preempted requests re-reading their
   tokens) share a per-step token budget, so a long prompt never freezes the decode rows for its whole
   prefill: a step with prefill work also decodes every running row (Sarathi-style mixed steps).
-- KV blocks are taken as chunks need them. When a decode row needs a block and none is free, the
+- KV blocks are taken as chunks need them. When a running request needs a block and none is free, the
   youngest running request is preempted: its blocks are freed and it waits at the head of the
   queue to recompute its tokens later (vLLM's recompute preemption).
 """

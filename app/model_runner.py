@@ -103,10 +103,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, logits_all: bool = False) -> torch.Tensor:
         """Logits [sampled chunks, vocab] (or [T, vocab] with logits_all) for the step; the cache is updated."""
-        if self.graphs and plan.decode and plan.prefill and not logits_all:
-            # A step with prefill work: the decode rows still replay their graph, and only the prefill
-            # chunks run eagerly (an eager forward is bound by its launches, not by its tokens).
-            return torch.cat([self.execute(StepPlan(decode=plan.decode)), self.execute(StepPlan(prefill=plan.prefill))])
         inputs = self.prepare(plan)
         graph = self._graph_for(inputs) if plan.is_decode_only and not logits_all else None
         if graph is not None:

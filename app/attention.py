@@ -17,11 +17,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from app.kernels import attention as kernels
 
 ATTENTION_NAME = "lora_serve_paged"
+# Not cuDNN, which torch prefers on Hopper: it builds a plan for every new sequence length, and every
+# prefill brings new lengths (~1.9 ms of CPU per layer and call on the H100 in the previous engine,
+# bench/results/h100-x1-step-profile-llama3-8b-shape.json).
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -79,9 +84,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             out[:nd] = kernels.paged_decode_reference(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, scaling)
     starts = meta.prefill_query_starts
-    for i, length in enumerate(meta.prefill_context_lens):
-        first, last = nd + starts[i], nd + starts[i + 1]
-        out[first:last] = _prefill_one(q[first:last], k_cache, v_cache, meta.prefill_blocks[i], length, scaling)
+    with sdpa_kernel(PREFILL_BACKENDS):
+        for i, length in enumerate(meta.prefill_context_lens):
+            first, last = nd + starts[i], nd + starts[i + 1]
+            out[first:last] = _prefill_one(q[first:last], k_cache, v_cache, meta.prefill_blocks[i], length, scaling)
     return out.unsqueeze(0), None
 
 

@@ -40,10 +40,6 @@ class Request:
         self.stop_checker = StopChecker(self.params.stop)
 
     @property
-    def budget_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -48,7 +48,7 @@ class StepInputs:
 
 
 class DecodeGraph:
-    """One captured decode step for `batch` rows and its static inputs (views of the runner's buffers)."""
+    """One captured decode step for `batch` rows; it reads the runner's static buffers, writes `logits`."""
 
     def __init__(self, batch: int):
         self.batch = batch
@@ -79,7 +79,7 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs, tables = self.block_size, self.blocks.tables
         inputs = StepInputs([], [], [], [], len(plan.decode), [], [], [], [0], [], [])
-        for chunk in plan.chunks:
+        for i, chunk in enumerate(plan.chunks):  # decode rows first
             request, table = chunk.request, tables[chunk.request.request_id]
             first = len(inputs.input_ids)
             inputs.input_ids += request.token_ids(chunk.start, chunk.end)
@@ -87,7 +87,7 @@ class ModelRunner:
             inputs.positions += positions
             inputs.slot_mapping += [table[p // bs] * bs + p % bs for p in positions]
             inputs.token_slots += [-1 if request.slot is None else request.slot] * chunk.length
-            if chunk.length == 1 and len(inputs.decode_lens) < inputs.num_decode:
+            if i < inputs.num_decode:
                 inputs.decode_tables.append(table)
                 inputs.decode_lens.append(chunk.end)
             else:

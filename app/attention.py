@@ -65,6 +65,7 @@ class AttentionState:
         self.meta: AttentionMetadata | None = None
 
 
+@torch.compiler.disable  # opaque to torch.compile: Triton kernels and per-step metadata, run as they are
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
     state: AttentionState = module.paged_state

@@ -30,6 +30,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85  # of the GPU memory free after the weights and adapter slots
     block_size: int = 16  # tokens per KV cache block
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    compile_decode: bool = True  # torch.compile the decoder before capturing the decode graphs (CUDA only)
     max_queue: int = 1024
     max_prefill_tokens_per_step: int = 2048  # prefill tokens per step; longer prompts are chunked
     prefetch: bool = True  # False: adapters load synchronously when a request needs them

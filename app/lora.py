@@ -76,6 +76,7 @@ class LoRALinear(nn.Module):
         self.module_index = module_index
         self.ctx = ctx
 
+    @torch.compiler.disable  # opaque to the model runner's torch.compile: a GEMM plus our Triton kernels
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.ctx.meta is not None:

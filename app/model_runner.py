@@ -58,7 +58,7 @@ class DecodeGraph:
 
 class ModelRunner:
     def __init__(self, model, lora: LoRASlots, blocks: BlockManager, cache: PagedKVCache, max_batch_size: int,
-                 max_model_len: int, use_graphs: bool):
+                 max_model_len: int, use_graphs: bool, compile_decode: bool = False):
         self.model, self.lora, self.blocks, self.cache = model, lora, blocks, cache
         self.device = next(model.parameters()).device
         config = model.config
@@ -71,7 +71,15 @@ class ModelRunner:
         self.max_batch_size = max_batch_size
         self.graphs: dict[int, DecodeGraph] = {}
         self.capture_seconds = 0.0
+        # The decode graphs replay what this callable launches at capture: transformers' decoder eagerly,
+        # or compiled by torch.compile, whose inductor fuses the elementwise work between the GEMMs
+        # (RMSNorm with its residual add, RoPE). Our attention and LoRA kernels stay opaque to it.
+        self._decoder = model.model
+        self.compiled = False
         if use_graphs and self.device.type == "cuda" and self.use_kernel:
+            if compile_decode:
+                self._decoder = torch.compile(model.model, dynamic=True)
+                self.compiled = True
             self._capture_all()
 
     # --- inputs ---------------------------------------------------------------------------------
@@ -213,8 +221,8 @@ class ModelRunner:
         self.attention.meta, self.lora.ctx.meta = None, None
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs), sorted(self.graphs),
-                 self.capture_seconds)
+        log.info("captured %d decode graphs (batch %s%s) in %.1f s", len(self.graphs), sorted(self.graphs),
+                 ", torch.compile" if self.compiled else "", self.capture_seconds)
 
     def _bind_static(self, batch: int) -> None:
         config = self.model.config
@@ -230,6 +238,6 @@ class ModelRunner:
                                           self.static_slots[:batch])
 
     def _static_forward(self, batch: int) -> torch.Tensor:
-        out = self.model.model(input_ids=self.static_ids[None, :batch],
+        out = self._decoder(input_ids=self.static_ids[None, :batch],
                                position_ids=self.static_positions[None, :batch], use_cache=False)
         return self.model.lm_head(out.last_hidden_state[0])

@@ -96,7 +96,8 @@ def build(args, dev):
     blocks = BlockManager(2 + per_seq * (max_batch + 8), 16)
     cache = PagedKVCache(config.num_hidden_layers, blocks.num_blocks, 16, 8, 128, torch.bfloat16, dev)
     t0 = time.perf_counter()
-    runner = ModelRunner(model, lora, blocks, cache, max_batch, config.max_position_embeddings, use_graphs=True)
+    runner = ModelRunner(model, lora, blocks, cache, max_batch, config.max_position_embeddings, use_graphs=True,
+                         compile_decode=args.compile)
     capture_s = time.perf_counter() - t0
     return model, lora, blocks, runner, weight_bytes, adapter_bytes, capture_s
 
@@ -113,6 +114,7 @@ def main():
     parser.add_argument("--eager-batch", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -134,7 +136,7 @@ def main():
     floor_ms = weight_bytes / read_gbs / 1e6
     emit(variant="floor", weights_gb=round(weight_bytes / 1e9, 2), hbm_read_gbs=round(read_gbs), floor_ms=round(floor_ms, 3),
          gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1), graph_capture_s=round(capture_s, 1),
-         buckets=sorted(runner.graphs), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+         buckets=sorted(runner.graphs), compiled=runner.compiled, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 
     # Prefill: 8 prompts x 512 tokens, one step, 8 distinct adapters
     n_prompts = args.prefill_tokens // 512
@@ -173,6 +175,8 @@ def main():
             replay = [statistics.median(cuda_ms(graph.graph.replay, args.iters)) for _ in range(args.runs)]
             whole = [statistics.median(host_ms(lambda: runner.execute(plan), args.iters)) for _ in range(args.runs)]
             host = statistics.median(host_ms(lambda: runner._fill_static(runner.prepare(plan), graph.batch), args.iters))
+            if os.environ.get("PROFILE") and batch == 32:
+                profile_table(graph.graph.replay, f"decode graph replay, batch 32, {distinct} distinct adapters")
             ms = statistics.median(replay)
             lora_floor = distinct * adapter_bytes / read_gbs / 1e6
             emit(variant="decode", batch=batch, bucket=graph.batch, context=args.context, distinct=distinct,

@@ -43,6 +43,9 @@ class AppArgs(BaseModel):
     max_prefill_tokens_per_step: int = Field(default=2048, ge=1, description="Prefill tokens in one engine step; "
                                              "longer prompts are prefilled in chunks between decode steps.")
     cuda_graphs: bool = Field(default=True, description="Capture decode steps in CUDA graphs (CUDA only).")
+    compile_decode: bool = Field(
+        default=True, description="torch.compile the decoder before capturing the decode graphs (CUDA only): "
+        "faster decode steps for about a minute more start-up.")
     max_queue: int = Field(default=256, ge=1, description="Requests waiting inside a replica before 429.")
     default_max_tokens: int = Field(default=16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (False: load on demand, synchronously).")
@@ -82,6 +85,7 @@ class AppArgs(BaseModel):
             prefetch=self.prefetch, kv_cache_bytes=self.kv_cache_bytes,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             max_prefill_tokens_per_step=self.max_prefill_tokens_per_step, cuda_graphs=self.cuda_graphs,
+            compile_decode=self.compile_decode,
         )
 
     def initial_adapters(self) -> dict[str, str]:

@@ -134,19 +134,23 @@ def test_graph_replay_equals_eager_and_peft(make_engine, graph_model, manifest):
     prompts = manifest["prompts"]
     jobs = [(prompts[i % len(prompts)], ([None] + names)[i % 4]) for i in range(10)]
     outputs = {}
-    for graphs in (True, False):
+    for variant in ("compiled", "graphs", "eager"):
+        graphs = variant != "eager"
         engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
                              adapter_roots=(str(graph_model / "adapters"),), num_slots=4, cuda_graphs=graphs,
+                             compile_decode=variant == "compiled",
                              max_prefill_tokens_per_step=16)  # prompts chunk while others decode: mixed steps
-        assert bool(engine.runner.graphs) == graphs
+        assert bool(engine.runner.graphs) == graphs and engine.runner.compiled == (variant == "compiled")
         for name in names:
             engine.register_adapter(name, str(graph_model / "adapters" / name))
         requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
         tokens = run_all(engine, check=True)
-        outputs[graphs] = [tokens[r.request_id] for r in requests]
+        outputs[variant] = [tokens[r.request_id] for r in requests]
     # Same kernels both ways except the decode attention's split count, which follows the bucket size.
-    same = sum(a == b for a, b in zip(outputs[True], outputs[False]))
+    same = sum(a == b for a, b in zip(outputs["graphs"], outputs["eager"]))
     assert same >= 9, f"{same}/10 identical between graph replay and eager"
-    for (prompt, adapter), got in zip(jobs, outputs[True]):
-        tokens, scores, _ = reference(graph_model, None if adapter is None else f"adapters/{adapter}", prompt)
-        assert agrees_up_to_near_tie(got, tokens, scores), (adapter, got, tokens)
+    # inductor fuses RMSNorm and RoPE: bf16 rounding may differ, so near ties may flip; PEFT decides.
+    for variant in ("compiled", "graphs"):
+        for (prompt, adapter), got in zip(jobs, outputs[variant]):
+            tokens, scores, _ = reference(graph_model, None if adapter is None else f"adapters/{adapter}", prompt)
+            assert agrees_up_to_near_tie(got, tokens, scores), (variant, adapter, got, tokens)

@@ -1,4 +1,5 @@
 """Runs an LLMEngine on its own thread and streams each request's outputs to asyncio callers.
+(app/engine_process.py runs it in a child process instead, behind the same interface.)
 
 The engine thread owns the engine. Callers talk to it through a command queue; results come back
 through per-request asyncio queues (`call_soon_threadsafe`), so no state is shared under locks.
@@ -24,16 +25,13 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.002  # how often an idle engine looks at in-flight loads
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+class EngineStreams:
+    """What the asyncio side of an engine runner shares: per-request output queues and `generate`.
+    Subclasses say how a request reaches the engine (`_submit`), how it is aborted, and deliver
+    outputs through `_deliver` from any thread."""
 
-    # --- public API (any thread / event loop) ----------------------------------------------------
+    def __init__(self):
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     async def generate(self, prompt: str | list[int], adapter_id: str | None, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -47,7 +45,7 @@ class AsyncEngine:
         self._streams[request_id] = (loop, outputs)
         finished = False
         try:
-            await self.call(lambda e: e.add_request(prompt, adapter_id, params, request_id))
+            await self._submit(prompt, adapter_id, params, request_id)
             while not finished:
                 output = await outputs.get()
                 while output.error is None and not output.finished and not outputs.empty():
@@ -60,7 +58,31 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(lambda e: e.abort(request_id))
+                self._abort(request_id)
+
+    async def _submit(self, prompt, adapter_id, params, request_id) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+
+class AsyncEngine(EngineStreams):
+    def __init__(self, engine: LLMEngine):
+        super().__init__()
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- public API (any thread / event loop) ----------------------------------------------------
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run fn(engine) on the engine thread and return its result (or raise its error)."""
@@ -70,14 +92,28 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    def hint(self, adapter_ids: list[str]) -> None:
-        self._commands.put(lambda e: e.hint(adapter_ids))
+    async def call_aside(self, fn: Callable[[LLMEngine], object]):
+        """Run fn(engine) on a worker thread, beside the engine loop (thread-safe work such as validating
+        and registering an adapter, which reads files)."""
+        return await asyncio.to_thread(fn, self.engine)
+
+    def hint(self, adapter_ids: list[str], incoming: list[str] = ()) -> None:
+        self._commands.put(lambda e: e.hint(adapter_ids, incoming))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout=30)
         self.engine.shutdown()
+
+    async def _submit(self, prompt, adapter_id, params, request_id) -> None:
+        await self.call(lambda e: e.add_request(prompt, adapter_id, params, request_id))
+
+    def _abort(self, request_id: str) -> None:
+        self._commands.put(lambda e: e.abort(request_id))
 
     # --- engine thread ---------------------------------------------------------------------------
 
@@ -124,6 +160,9 @@ class AsyncEngine:
         except Exception as e:  # a bug or device fault: fail what is in flight, keep serving
             log.exception("engine step failed")
             outputs = self._fail_all(e)
+        self._deliver_all(outputs)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             self._deliver(output)
 
@@ -135,14 +174,11 @@ class AsyncEngine:
                 outputs.append(RequestOutput(request_id, "", (), True, "error", error=error))
         return outputs
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
 
 
 def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     if second.error is not None:
         return second
-    return replace(second, text=first.text + second.text, token_ids=first.token_ids + second.token_ids)
+    return replace(second, text=first.text + second.text, token_ids=first.token_ids + second.token_ids,
+                   logprobs=first.logprobs + second.logprobs,
+                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)

@@ -13,6 +13,7 @@ Registering a name that has no mask function makes transformers skip its own mas
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,10 @@ class AttentionMetadata:
     prefill_query_starts: list[int]  # [P + 1], relative to the first prefill token
     prefill_context_lens: list[int]  # [P]: cached tokens of each sequence once this chunk is written
     use_kernel: bool  # decode through Triton (CUDA) or the torch reference
+    # All prefill chunks in one varlen flash call (CUDA, when torch has it), else per-sequence SDPA:
+    prefill_kv_rows: torch.Tensor | None = None  # [sum of context lens] long: cache rows of every chunk's context
+    prefill_cu_q: torch.Tensor | None = None  # [P + 1] int32: query offsets (= prefill_query_starts)
+    prefill_cu_k: torch.Tensor | None = None  # [P + 1] int32: context offsets into prefill_kv_rows
 
 
 class PagedKVCache:
@@ -84,6 +89,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         else:
             out[:nd] = kernels.paged_decode_reference(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, scaling)
+    if meta.prefill_kv_rows is not None:
+        out[nd:] = _prefill_varlen(q[nd:], k_cache, v_cache, meta, scaling)
+        return out.unsqueeze(0), None
     starts = meta.prefill_query_starts
     with sdpa_kernel(PREFILL_BACKENDS):
         for i, length in enumerate(meta.prefill_context_lens):
@@ -113,6 +121,44 @@ def _prefill_one(q, k_cache, v_cache, blocks, length, scale):
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                            attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
+
+
+def _varlen_call():
+    """torch's varlen flash attention (torch.nn.attention.varlen) as f(q, k, v, cu_q, cu_k, max_q, max_k, scale),
+    or None where this torch has none. Its signature changed across releases: later ones take
+    `window_size` and `scale` (and later `enable_gqa`); the first took `is_causal` and the default scale only."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:  # flash takes fewer K/V heads natively; later releases ask for enable_gqa
+        gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+        return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **gqa)
+    if "is_causal" in params:
+        def call(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+            if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
+                raise NotImplementedError("this torch's varlen_attn takes the default scale only")
+            return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+        return call
+    return None
+
+
+VARLEN = _varlen_call()
+
+
+def _prefill_varlen(q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    """Every prefill chunk of the step in one flash call: q [Tp, H, D] -> [Tp, H, D]. Each chunk's context
+    (earlier chunks included) is gathered from the paged cache into one packed K/V; flash's causal mask is
+    aligned bottom-right when a chunk's queries are the last of a longer context, and it reads each K/V
+    head once per group of query heads (no repeat_kv)."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    k = k_cache.view(-1, kv_heads, head_dim).index_select(0, meta.prefill_kv_rows)
+    v = v_cache.view(-1, kv_heads, head_dim).index_select(0, meta.prefill_kv_rows)
+    starts, lens = meta.prefill_query_starts, meta.prefill_context_lens
+    max_q = max(b - a for a, b in zip(starts, starts[1:]))
+    return VARLEN(q, k, v, meta.prefill_cu_q, meta.prefill_cu_k, max_q, max(lens), scale)
 
 
 def kernel_supports(head_dim: int, device: torch.device) -> bool:

@@ -16,8 +16,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     base_model: str
     adapter_roots: tuple[str, ...] = ()
-    num_slots: int = 4  # device adapter slots
-    max_rank: int = 16  # every slot is padded to this rank
+    # Device adapter memory, in pages of `adapter_page_rows` rank rows (an adapter takes the pages its rank
+    # needs). num_slots: exactly that many adapters, each given a max_rank adapter's pages (an override);
+    # else adapter_memory_bytes; else adapter_memory_fraction of the GPU memory free after the weights
+    # (CPU: 8 max_rank adapters' worth).
+    num_slots: int | None = None
+    adapter_memory_bytes: int | None = None
+    adapter_memory_fraction: float = 0.2
+    adapter_page_rows: int = 4
+    max_rank: int = 16  # largest adapter rank
     target_modules: tuple[str, ...] = SUPPORTED_TARGETS
     host_cache_bytes: int = 2 * GiB
     max_adapter_bytes: int = 2 * GiB
@@ -27,7 +34,7 @@ class EngineConfig:
     max_input_tokens: int = 2048
     max_total_tokens: int = 65536  # KV cache capacity in tokens where kv_cache_bytes and the GPU do not set it
     kv_cache_bytes: int | None = None  # KV cache size; None: kv_cache_memory_fraction of free GPU memory (CPU: max_total_tokens)
-    kv_cache_memory_fraction: float = 0.85  # of the GPU memory free after the weights and adapter slots
+    kv_cache_memory_fraction: float = 0.85  # of the GPU memory free after the weights and adapter pool
     block_size: int = 16  # tokens per KV cache block
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     compile_decode: bool = True  # torch.compile the decoder before capturing the decode graphs (CUDA only)
@@ -39,15 +46,20 @@ class EngineConfig:
     disk_workers: int = 2
 
     def __post_init__(self):
-        positive = ("num_slots", "max_rank", "max_batch_size", "max_input_tokens", "max_total_tokens", "max_queue",
-                    "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes")
+        positive = ("adapter_page_rows", "max_rank", "max_batch_size", "max_input_tokens", "max_total_tokens",
+                    "max_queue", "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        for name in ("kv_cache_bytes", "num_slots", "adapter_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_slots is not None and self.adapter_memory_bytes is not None:
+            raise ValueError(f"set num_slots ({self.num_slots}) or adapter_memory_bytes ({self.adapter_memory_bytes}), "
+                             "not both")
+        for name in ("kv_cache_memory_fraction", "adapter_memory_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,16 +21,21 @@ from app.attention import PagedKVCache
 from app.config import EngineConfig
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
 from app.kv_blocks import BlockManager, blocks_for
-from app.lora import LoRASlots
+from app.lora import LoRASlots, pool_size
 from app.model_runner import ModelRunner
 from app.registry import AdapterRegistry, read_adapter
 from app.request import Request, RequestOutput
-from app.sampler import RowParams, sample_rows, seed_for
+from app.logprobs import EchoRows, TokenLogprob
+from app.sampler import sample_batch, seed_for
 from app.sampling import SamplingParams
 from app.scheduler import Chunk, Scheduler, StepPlan
+from app.step_timing import StepTiming
 from app.targets import target_shapes
+from prefetch.hints import HintBook
+from prefetch.layout import PageLayout
 from prefetch.metrics import Histogram
 from prefetch.residency import Residency
+from prefetch.slot_pool import SlotPool
 
 log = logging.getLogger(__name__)
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
@@ -51,10 +55,15 @@ class LLMEngine:
         self.registry = AdapterRegistry(
             config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
         )
-        self.residency = Residency(config, shapes, self._read_parts, self.device, self.dtype, self._steps_left)
+        # The adapter pool is sized (and allocated) before the KV cache, which takes a share of what is left.
+        layout = PageLayout(shapes, config.max_rank, config.adapter_page_rows)
+        num_pages, num_slots = pool_size(config, layout, self.dtype, self.device)
+        self.residency = Residency(config, layout, SlotPool(num_pages, num_slots), self._read_parts,
+                                   lambda adapter_id: self.registry.get(adapter_id).rank, self.device, self.dtype,
+                                   self._steps_left)
         # A step feeds at most the prefill budget plus one token per decode row; prompt_logits feeds a whole prompt.
         max_step_tokens = max(config.max_prefill_tokens_per_step, config.max_input_tokens) + config.max_batch_size
-        self.lora = LoRASlots(model, self.residency.layout, config.num_slots, t_cap=max_step_tokens)
+        self.lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
         self.residency.attach(self.lora.write_slot)
         self.blocks = BlockManager(self._num_kv_blocks(model), config.block_size)
         cache = _kv_cache(model, self.blocks.num_blocks, config.block_size, self.dtype, self.device)
@@ -62,14 +71,16 @@ class LLMEngine:
                                    self._acquire, self._release)
         self.runner = ModelRunner(model, self.lora, self.blocks, cache, config.max_batch_size, self.max_model_len,
                                   use_graphs=config.cuda_graphs, compile_decode=config.compile_decode)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter slots: %d (%.2f GB); decode graphs: %s",
-                 self.blocks.num_blocks, config.block_size, cache.k.numel() * cache.k.element_size() * 2 / 1e9,
-                 config.num_slots, self.lora.nbytes() / 1e9, sorted(self.runner.graphs) or "none")
+        log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter pool: %d pages, up to %d adapters (%.2f GB); "
+                 "decode graphs: %s", self.blocks.num_blocks, config.block_size,
+                 cache.k.numel() * cache.k.element_size() * 2 / 1e9, num_pages, num_slots, self.lora.nbytes() / 1e9,
+                 sorted(self.runner.graphs) or "none")
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self.hints: OrderedDict[str, float] = OrderedDict()  # adapter_id -> when hinted
+        self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
+        self.timing = StepTiming()
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
 
@@ -120,6 +131,7 @@ class LLMEngine:
                 raise InvalidRequest(f"the prompt could not be tokenized: {e}") from e
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
+        params.token_ids_in(self.model_config.vocab_size)
         limit = min(self.config.max_input_tokens, self.max_model_len - 1)
         if len(prompt_ids) > limit:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the limit is {limit}")
@@ -135,7 +147,7 @@ class LLMEngine:
         request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params))
         if adapter_id is not None:
             self.residency.classify_arrival(adapter_id)
-            hinted_at = self.hints.pop(adapter_id, None)
+            hinted_at = self.hints.arrived(adapter_id)
             if hinted_at is not None:
                 self.hint_lead.observe(time.monotonic() - hinted_at)
         self.scheduler.add(request)
@@ -150,16 +162,20 @@ class LLMEngine:
         self._finish(request)
         return self._output(request, "", (), error=None)
 
-    def hint(self, adapter_ids) -> None:
-        """Ask for adapters to be made resident ahead of need (the router's hint)."""
+    def hint(self, adapter_ids, incoming=()) -> None:
+        """Ask for adapters to be made resident ahead of need (the router's hint): one entry per request
+        waiting in the router for this replica. incoming: adapters of requests waiting at another replica
+        that may be sent here; they are protected from eviction for a one-off."""
         now = time.monotonic()
         for adapter_id in adapter_ids:
             if adapter_id in self.registry:
-                self.hints[adapter_id] = now
-                self.hints.move_to_end(adapter_id)
+                self.hints.add(adapter_id, now)
                 self.residency.metrics.hints_received += 1
+        for adapter_id in incoming:
+            if adapter_id in self.registry:
+                self.hints.add_incoming(adapter_id, now)
         if self.config.prefetch:
-            self.residency.prefetch(self._demand())  # start now: the request may be right behind
+            self.residency.prefetch(self._demand(), self.hints.incoming())  # start now: the request may be right behind
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.residency.is_loading()
@@ -174,7 +190,8 @@ class LLMEngine:
         outputs = self._fail_broken_adapters()
         self.residency.poll()
         if self.config.prefetch:
-            self.residency.prefetch(self._demand())
+            self.residency.prefetch(self._demand(), self.hints.incoming())
+        scheduled_at = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty and self.waiting:
             # Nothing can run: wait briefly for the head's adapter (its load is under way), then come
@@ -183,39 +200,46 @@ class LLMEngine:
                 self._stalled_since = time.perf_counter()
             self.residency.stall_for(self.waiting[0].adapter_id, STALL_POLL_S)
             outputs += self._fail_broken_adapters()
+            scheduled_at = time.perf_counter()
             plan = self.scheduler.schedule()
         if self._stalled_since is not None and (not plan.is_empty or not self.waiting):
             self.residency.metrics.observe_stall(time.perf_counter() - self._stalled_since)
             self._stalled_since = None
         if not plan.is_empty:
-            outputs += self._run(plan)
+            outputs += self._run(plan, scheduled_at)
         return outputs
 
-    def _run(self, plan: StepPlan) -> list[RequestOutput]:
+    def _run(self, plan: StepPlan, scheduled_at: float) -> list[RequestOutput]:
         slots = sorted({c.request.slot for c in plan.chunks if c.request.slot is not None})
         self.residency.before_forward(slots)
-        logits = self.runner.execute(plan)
+        echo = EchoRows.of(plan.chunks)  # prompt positions whose logits echo's logprobs need
+        logits = self.runner.execute(plan, extra_rows=echo.rows)
+        launched_at = time.perf_counter()
         self.residency.after_forward(slots)
         for chunk in plan.chunks:
             chunk.request.num_cached = chunk.end
         sampled = [c.request for c in plan.chunks if c.samples]
-        if not sampled:
+        if not sampled and not echo.rows:
             return []
-        rows = RowParams.from_params([r.params for r in sampled], [r.seed for r in sampled],
-                                     [len(r.output_ids) for r in sampled], self.device)
-        tokens = sample_rows(logits, rows).tolist()  # the step's one host sync: the tokens must reach the client
-        outputs = [self._append(r, t) for r, t in zip(sampled, tokens)]
+        # The step's one host sync: the tokens (and any logprobs) must reach the client.
+        choices, prompt_logprobs = sample_batch(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo,
+                                                logits[len(sampled):])
+        synced_at = time.perf_counter()
+        for owner, logprob in zip(echo.owners, prompt_logprobs):
+            owner.prompt_logprobs.append(logprob)
+        outputs = [self._append(r, t, lp) for r, (t, lp) in zip(sampled, choices)]
         for request in sampled:
             if request.finish_reason is not None:
                 self._finish(request)
+        self.timing.observe(launched_at - scheduled_at, synced_at - launched_at, time.perf_counter() - synced_at,
+                            plan.is_decode_only)
         return outputs
 
     def _demand(self) -> list[str]:
-        now = time.monotonic()
-        while self.hints and now - next(iter(self.hints.values())) > self.config.hint_ttl_s:
-            self.hints.popitem(last=False)
+        """One entry per request that wants an adapter: queued here first, then waiting in the router."""
+        self.hints.expire(time.monotonic())
         queued = [r.adapter_id for r in self.waiting if r.adapter_id is not None]
-        return queued + list(reversed(self.hints))
+        return queued + self.hints.demand()
 
     def _acquire(self, request: Request) -> bool:
         """Scheduler callback: may `request` start running now? Pins its adapter's slot if so."""
@@ -236,18 +260,26 @@ class LLMEngine:
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
 
-    def _append(self, request: Request, token: int) -> RequestOutput:
+    def _append(self, request: Request, token: int, logprob=None) -> RequestOutput:
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
-        request.output_ids.append(token)
         params = request.params
+        if params.max_tokens == 0:  # echo: the prompt (and its logprobs) only
+            request.finish_reason = "length"
+            return self._output(request, "", ())
+        request.output_ids.append(token)
         finish = None
-        if token in self.eos_ids and not params.ignore_eos:
-            finish = "stop"
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-        stop_at = request.stop_checker.find(text, request.emitted)
-        if stop_at is not None:
-            text, finish = text[:stop_at], "stop"
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            finish = "stop"  # min_tokens masked these tokens until now (app/penalties.py)
+        # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
+        shown = request.output_ids[:-1] if finish and not params.include_stop_str_in_output else request.output_ids
+        text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+        # As vLLM, stop strings count only past min_tokens.
+        past_min = len(request.output_ids) > params.min_tokens
+        found = request.stop_checker.match(text, request.emitted) if past_min else None
+        if found is not None:
+            at, stop = found
+            text, finish = text[:at + len(stop) if params.include_stop_str_in_output else at], "stop"
         elif finish is None and (len(request.output_ids) >= params.max_tokens
                                  or request.num_tokens >= self.max_model_len):
             finish = "length"
@@ -255,11 +287,16 @@ class LLMEngine:
         delta = text[request.emitted:end]
         request.emitted = max(request.emitted, end)
         request.finish_reason = finish
-        return self._output(request, delta, (token,))
+        return self._output(request, delta, (token,), logprobs=() if logprob is None else (logprob,))
 
-    def _output(self, request: Request, text: str, tokens: tuple, error=None) -> RequestOutput:
+    def _output(self, request: Request, text: str, tokens: tuple, error=None, logprobs=()) -> RequestOutput:
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and error is None:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = (TokenLogprob(request.prompt_ids[0], None),) + tuple(request.prompt_logprobs)
         return RequestOutput(request.request_id, text, tokens, request.finish_reason is not None,
-                             request.finish_reason, len(request.prompt_ids), len(request.output_ids), error)
+                             request.finish_reason, len(request.prompt_ids), len(request.output_ids), error,
+                             logprobs, prompt_logprobs)
 
     def _steps_left(self, slot: int) -> int:
         """Decode steps until every running request on `slot` ends, at most (max_tokens; stops may come sooner)."""
@@ -292,7 +329,7 @@ class LLMEngine:
                                "retry when they finish")
         spec = self.registry.unregister(adapter_id)
         self.residency.forget(adapter_id)
-        self.hints.pop(adapter_id, None)
+        self.hints.forget(adapter_id)
         return spec
 
     def prompt_logits(self, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
@@ -322,7 +359,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.residency.check_invariants()
         self.scheduler.check_invariants()
-        pins = [0] * self.config.num_slots
+        pins = [0] * len(self.residency.pool)
         for request in self.running:
             assert request.finish_reason is None, f"finished {request.request_id} still running"
             if request.adapter_id is not None:
@@ -348,14 +385,22 @@ class LLMEngine:
             "queued": sorted({r.adapter_id for r in self.waiting if r.adapter_id is not None}),
             "running": len(self.running),
             "waiting": len(self.waiting),
-            "free_slots": self.residency.pool.free_count(),
+            "free_slots": self.residency.free_slots(),
             "device": str(self.device),
             "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received")},
             "hint_lead_seconds": self.hint_lead.as_dict(),
+            "step_timing": self.timing.summary(),
         }
 
-    def metrics(self) -> dict:
+    def metrics(self, drain_stalls: bool = False) -> dict:
+        """drain_stalls: also return (and forget) the stall durations not yet reported, as "stalls"."""
+        stalls = {}
+        if drain_stalls:
+            events = self.residency.metrics.unreported_stalls
+            stalls = {"stalls": list(events)}
+            events.clear()
         return {
+            **stalls,
             "steps": self.steps,
             "queue_length": len(self.waiting),
             "batch_size": len(self.running),
@@ -364,6 +409,7 @@ class LLMEngine:
             "preemptions": self.scheduler.preemptions,
             "decode_graphs": sorted(self.runner.graphs),
             "graph_capture_seconds": round(self.runner.capture_seconds, 2),
+            "step_timing": self.timing.summary(),
             "hint_lead_seconds": self.hint_lead.as_dict(),
             **self.residency.snapshot(),
         }

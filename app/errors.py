@@ -28,6 +28,16 @@ class InvalidRequest(ServingError):
     code = "invalid_request"
 
 
+class UnsupportedField(InvalidRequest):
+    """A request field this server does not implement: refused, never ignored."""
+
+    code = "unsupported_parameter"
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class PromptTooLong(InvalidRequest):
     code = "context_length_exceeded"
 

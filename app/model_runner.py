@@ -11,11 +11,14 @@ prefill work, and every step on CPU, run the same code eagerly.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from app import attention as attention_module
 from app.attention import AttentionMetadata, AttentionState, PagedKVCache, install, kernel_supports
 from app.kernels import attention as attention_kernels
 from app.kv_blocks import BlockManager
@@ -64,6 +67,10 @@ class ModelRunner:
         config = model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.use_kernel = kernel_supports(self.head_dim, self.device)
+        # One varlen flash call per layer for all prefill chunks, instead of an SDPA call per sequence
+        # (host-bound: tens of launches per sequence and layer). VARLEN_PREFILL=0 turns it off (benches).
+        self.use_varlen = (self.device.type == "cuda" and attention_module.VARLEN is not None
+                           and os.environ.get("VARLEN_PREFILL", "1") != "0")
         self.attention = AttentionState(cache)
         install(model, self.attention)
         self.block_size = cache.block_size
@@ -109,17 +116,19 @@ class ModelRunner:
     # --- running --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, logits_all: bool = False) -> torch.Tensor:
-        """Logits [sampled chunks, vocab] (or [T, vocab] with logits_all) for the step; the cache is updated."""
+    def execute(self, plan: StepPlan, logits_all: bool = False, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Logits [sampled chunks + len(extra_rows), vocab] (or [T, vocab] with logits_all) for the step; the
+        cache is updated. extra_rows: flat token indices (plan.chunks order) whose logits follow the sampled
+        rows' (echo's prompt logprobs), so only the requests that ask pay for them."""
         inputs = self.prepare(plan)
-        graph = self._graph_for(inputs) if plan.is_decode_only and not logits_all else None
+        graph = self._graph_for(inputs) if plan.is_decode_only and not logits_all and not extra_rows else None
         if graph is not None:
             self._fill_static(inputs, graph.batch)
             graph.graph.replay()
             return graph.logits[: inputs.num_decode]
         hidden = self._forward_eager(inputs)
         if not logits_all:
-            hidden = hidden[torch.tensor(inputs.logits_index, dtype=torch.long, device=self.device)]
+            hidden = hidden[torch.tensor(inputs.logits_index + list(extra_rows), dtype=torch.long, device=self.device)]
         return self.model.lm_head(hidden)
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
@@ -137,6 +146,8 @@ class ModelRunner:
             prefill_blocks=[t(table) for table in inputs.prefill_tables],
             prefill_query_starts=inputs.prefill_query_starts, prefill_context_lens=inputs.prefill_lens,
             use_kernel=self.use_kernel)
+        if inputs.prefill_lens and self.use_varlen:
+            self._set_varlen(inputs)
         # Eager: exactly one segment per distinct adapter (the kernels' grids scale with the segment count).
         distinct = len({slot for slot in inputs.token_slots if slot >= 0})
         self._set_lora(inputs.token_slots, len(inputs.token_slots), distinct)
@@ -146,6 +157,19 @@ class ModelRunner:
         finally:
             self.attention.meta, self.lora.ctx.meta = None, None
         return out.last_hidden_state[0]
+
+    def _set_varlen(self, inputs: StepInputs) -> None:
+        """The cache rows of every prefill chunk's whole context, packed, for one varlen flash call per layer."""
+        bs, meta = self.block_size, self.attention.meta
+        offsets = torch.arange(bs, dtype=torch.long)
+        rows = [(torch.tensor(table, dtype=torch.long)[:, None] * bs + offsets).flatten()[:length]
+                for table, length in zip(inputs.prefill_tables, inputs.prefill_lens)]
+        cu_k = [0]
+        for length in inputs.prefill_lens:
+            cu_k.append(cu_k[-1] + length)
+        meta.prefill_kv_rows = torch.cat(rows).to(self.device, non_blocking=True)
+        meta.prefill_cu_q = torch.tensor(inputs.prefill_query_starts, dtype=torch.int32).to(self.device)
+        meta.prefill_cu_k = torch.tensor(cu_k, dtype=torch.int32).to(self.device)
 
     def _set_lora(self, token_slots: list[int], t_cap: int, s_cap: int) -> None:
         if all(s < 0 for s in token_slots):

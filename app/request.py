@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.errors import ServingError
+from app.logprobs import TokenLogprob
 from app.sampling import SamplingParams, StopChecker
 
 
@@ -19,6 +20,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: ServingError | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, where the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # every prompt token (the first's is None), once
 
 
 @dataclass(eq=False)
@@ -35,6 +38,8 @@ class Request:
     emitted: int = 0  # characters of decoded output already streamed
     finish_reason: str | None = None
     first_token_at: float | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., as prefill computes them
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         self.stop_checker = StopChecker(self.params.stop)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.logprobs import EchoRows, TokenLogprob, pack, unpack
+from app.penalties import apply_penalties
 from app.sampling import GREEDY_TEMPERATURE, SamplingParams
 
 
@@ -109,6 +111,38 @@ def sample_rows(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     # Gumbel-max: argmax(x + g) with g = -log(-log u) is a draw from softmax(x), filtered tokens (-inf) never win.
     scores = masked_logits(logits, rows) + _gumbel_noise(rows.seed, rows.counter, logits.shape[1])
     return torch.where(rows.temperature < GREEDY_TEMPERATURE, greedy_tokens, scores.argmax(-1))
+
+
+def sample_batch(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int], echo: EchoRows | None = None,
+                 echo_logits: torch.Tensor | None = None) -> tuple[list[tuple[int, TokenLogprob | None]], list]:
+    """Every request's next token (and its logprobs where asked), and the echo rows' prompt logprobs.
+
+    logits [len(requests), V] are the raw logits; penalties (app/penalties.py) apply before the choice,
+    logprobs read the raw values. Everything comes back in one device-to-host copy: the step's one sync.
+    """
+    rows = RowParams.from_params([r.params for r in requests], [r.seed for r in requests],
+                                 [len(r.output_ids) for r in requests], logits.device)
+    tokens = sample_rows(apply_penalties(logits, requests, eos_ids), rows)  # [B]
+    ks = [r.params.logprobs for r in requests]
+    k = max((k for k in ks if k is not None), default=None)
+    parts = [tokens.double()]
+    if k is not None:
+        parts.append(pack(logits, tokens, k).flatten())
+    if echo is not None and echo.rows:
+        targets = torch.tensor(echo.targets, dtype=torch.long).to(logits.device, non_blocking=True)
+        parts.append(pack(echo_logits, targets, echo.k).flatten())
+    if len(parts) == 1:
+        return [(t, None) for t in tokens.tolist()], []
+    host = torch.cat(parts).tolist()
+    n = len(requests)
+    chosen = [int(t) for t in host[:n]]
+    width = 1 + 2 * k if k is not None else 0
+    sampled = unpack(host[n:n + n * width], chosen, width, ks) if k is not None else [None] * n
+    prompt = []
+    if echo is not None and echo.rows:
+        prompt = unpack(host[n + n * width:], echo.targets, 1 + 2 * echo.k,
+                        [r.params.prompt_logprobs for r in echo.owners])
+    return list(zip(chosen, sampled)), prompt
 
 
 def masked_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:

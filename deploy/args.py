@@ -25,8 +25,16 @@ class AppArgs(BaseModel):
         default="discover", description="Adapters registered at start: {name: path}, or 'discover' (every "
                                         "sub-folder of every root that holds adapter_config.json).")
     build_demo: bool = Field(default=True, description="Generate the tiny demo if base_model is the demo's and missing.")
-    num_slots: int = Field(default=8, ge=1, description="Device adapter slots per replica.")
-    max_rank: int = Field(default=16, ge=1, description="Largest adapter rank; slots are padded to it.")
+    num_slots: int | None = Field(default=None, ge=1, description="Override: exactly this many device adapter "
+                                  "slots, each given the memory of a max_rank adapter. Default: size by bytes.")
+    adapter_memory_bytes: int | None = Field(default=None, ge=1, description="Device memory for adapters per replica, "
+                                             "in pages of rank rows; an adapter takes the pages its rank needs. "
+                                             "Default: adapter_memory_fraction of the GPU memory left after the "
+                                             "weights (CPU: 8 max_rank adapters).")
+    adapter_memory_fraction: float = Field(default=0.2, gt=0, le=1, description="Share of the GPU memory free after "
+                                           "the weights that adapters take when neither num_slots nor "
+                                           "adapter_memory_bytes is set.")
+    max_rank: int = Field(default=16, ge=1, description="Largest adapter rank accepted.")
     host_cache_bytes: int = Field(default=4 * GiB, ge=1, description="Host (pinned) adapter cache per replica.")
     max_adapter_bytes: int = Field(default=2 * GiB, ge=1, description="Largest adapter file accepted.")
     device: str = Field(default="auto", description="auto | cpu | cuda. auto uses a GPU per replica when the cluster has GPUs.")
@@ -46,6 +54,9 @@ class AppArgs(BaseModel):
     compile_decode: bool = Field(
         default=True, description="torch.compile the decoder before capturing the decode graphs (CUDA only): "
         "faster decode steps for about a minute more start-up.")
+    engine_process: bool = Field(
+        default=False, description="Run each replica's engine loop in its own process, so that it shares no GIL "
+        "with the replica's event loop (which turns every step's outputs into stream chunks).")
     max_queue: int = Field(default=256, ge=1, description="Requests waiting inside a replica before 429.")
     default_max_tokens: int = Field(default=16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (False: load on demand, synchronously).")
@@ -68,6 +79,9 @@ class AppArgs(BaseModel):
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must exceed "
                              f"max_input_tokens ({self.max_input_tokens})")
+        if self.num_slots is not None and self.adapter_memory_bytes is not None:
+            raise ValueError(f"set num_slots ({self.num_slots}) or adapter_memory_bytes "
+                             f"({self.adapter_memory_bytes}), not both")
         if self.api_key is None:
             self.api_key = os.environ.get("LORA_SERVE_API_KEY") or None
         return self
@@ -79,6 +93,7 @@ class AppArgs(BaseModel):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             base_model=self.base_model, adapter_roots=tuple(self.adapter_roots), num_slots=self.num_slots,
+            adapter_memory_bytes=self.adapter_memory_bytes, adapter_memory_fraction=self.adapter_memory_fraction,
             max_rank=self.max_rank, host_cache_bytes=self.host_cache_bytes, max_adapter_bytes=self.max_adapter_bytes,
             device=self.device, dtype=self.dtype, max_batch_size=self.max_batch_size,
             max_input_tokens=self.max_input_tokens, max_total_tokens=self.max_total_tokens, max_queue=self.max_queue,

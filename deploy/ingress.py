@@ -21,7 +21,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
-from app import api
+from app import api, responses
 from app.errors import (AdapterAlreadyExists, AdapterNotFound, BodyTooLarge, CapacityExceeded, EngineUnavailable,
                         Forbidden, InternalError, InvalidRequest, ModelNotFound, ServingError, Unauthorized)
 from app.registry import AdapterRegistry, validate_adapter_id
@@ -206,7 +206,7 @@ class Ingress:
     @fastapi_app.get("/v1/models")
     async def models(self):
         await self._refresh_adapters()
-        created = api.now()
+        created = responses.now()
         base = {"id": self.model_id, "object": "model", "created": created, "owned_by": "lora-serve",
                 "root": self.args.base_model, "parent": None}
         return {"object": "list", "data": [base] + [
@@ -248,38 +248,47 @@ class Ingress:
     @fastapi_app.post("/v1/completions")
     async def completions(self, body: api.CompletionRequest):
         body.check_supported()
-        if isinstance(body.prompt, list) and max(body.prompt) >= self.vocab_size:
-            raise InvalidRequest(f"token id {max(body.prompt)} is outside the vocabulary ({self.vocab_size} tokens)")
-        return await self._generate(body, body.prompt, chat=False)
+        prompts = body.prompts()
+        for prompt in prompts:
+            if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
+                raise InvalidRequest(f"token id {max(prompt)} is outside the vocabulary ({self.vocab_size} tokens)")
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
+        return await self._generate(body, prompts, chat=False, echo=echo)
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: api.ChatCompletionRequest):
         body.check_supported()
-        messages = [m.model_dump() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=False)
         prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds BOS
-        return await self._generate(body, prompt, chat=True)
+        return await self._generate(body, [prompt], chat=True)
 
-    async def _generate(self, body, prompt, chat: bool):
+    async def _generate(self, body, prompts, chat: bool, echo=None):
         if self.in_flight >= self.args.max_pending_requests:
             raise CapacityExceeded(f"{self.in_flight} requests are in flight at this ingress "
                                    f"(max_pending_requests); retry later", retry_after_s=1)
         self.in_flight += 1
         streaming = False
         try:
-            response = await self._dispatch(body, prompt, chat)
+            response = await self._dispatch(body, prompts, chat, echo)
             streaming = isinstance(response, StreamingResponse)
             return response
         finally:
             if not streaming:
                 self.in_flight -= 1
 
-    async def _dispatch(self, body, prompt, chat: bool):
+    def _choices(self, generation, prompts, chat: bool, echo) -> list[responses.Choice]:
+        n = generation.n
+        return [responses.Choice(i, self.tokenizer, generation, chat, echo[i // n] if echo else None)
+                for i in range(len(prompts) * n)]
+
+    async def _dispatch(self, body, prompts, chat: bool, echo):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         adapter_id = await self._resolve_model(body.model)
-        params = body.sampling_params(self.args.default_max_tokens)
+        generation = body.generation(self.args.default_max_tokens)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
-        payload = {"prompt": prompt, "adapter_id": adapter_id, "params": asdict(params), "request_id": request_id}
+        payload = {"prompts": prompts, "n": generation.n, "adapter_id": adapter_id,
+                   "params": asdict(generation.params), "request_id": request_id}
+        choices = self._choices(generation, prompts, chat, echo)
         handle = self.replicas
         if self.args.router == "adapter_affinity":
             handle = handle.options(multiplexed_model_id=adapter_id or "")
@@ -293,7 +302,7 @@ class Ingress:
                         metrics.requests().inc(tags={"route": route, "status": str(first["status"])})
                         return error_response(first)
                     metrics.ttft().observe(time.perf_counter() - started, tags={"model": body.model})
-                    return StreamingResponse(self._sse(body, chat, request_id, first, stream, route),
+                    return StreamingResponse(self._sse(body, chat, request_id, choices, first, stream, route),
                                              media_type="text/event-stream",
                                              headers={"x-replica-id": first["replica"]})
                 result = await handle.options(method_name="generate").remote(payload)
@@ -307,33 +316,34 @@ class Ingress:
             metrics.requests().inc(tags={"route": route, "status": str(result["status"])})
             return error_response(result)
         metrics.requests().inc(tags={"route": route, "status": "200"})
-        make = api.chat_body if chat else api.completion_body
-        return JSONResponse(make(request_id, body.model, result["text"], result["finish_reason"],
-                                 result["prompt_tokens"], result["completion_tokens"]),
-                            headers={"x-replica-id": result["replica"]})
+        merged = result["choices"]
+        content = responses.body(request_id, body.model, chat, [choices[c["index"]].body(c) for c in merged],
+                                 responses.total_usage(merged, generation.n))
+        return JSONResponse(content, headers={"x-replica-id": result["replica"]})
 
-    async def _sse(self, body, chat, request_id, first, stream, route):
+    async def _sse(self, body, chat, request_id, choices, first, stream, route):
         last_at, status = time.perf_counter(), "200"
         if chat:
-            yield _event(api.chat_chunk(request_id, body.model, {"role": "assistant", "content": ""}, None))
-        chunk = first
+            for c in choices:
+                yield _event(responses.chunk(request_id, body.model, chat, [
+                    {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}]))
+        chunk, finished = first, {}
         try:
             while True:
                 if "error" in chunk:
                     status = str(chunk["status"])
                     yield _event({"error": chunk["error"]})
                     break
-                if chunk["text"] or chunk["finish_reason"]:
-                    if chat:
-                        delta = {"content": chunk["text"]} if chunk["text"] else {}
-                        yield _event(api.chat_chunk(request_id, body.model, delta, chunk["finish_reason"]))
-                    else:
-                        yield _event(api.completion_chunk(request_id, body.model, chunk["text"], chunk["finish_reason"]))
+                delta = choices[chunk["index"]].delta(chunk)
+                if delta is not None:
+                    yield _event(responses.chunk(request_id, body.model, chat, [delta]))
                 if chunk["finish_reason"]:
+                    finished[chunk["index"]] = chunk
+                if len(finished) == len(choices):
                     if body.include_usage:
-                        yield _event({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                                      "created": api.now(), "model": body.model, "choices": [],
-                                      "usage": api.usage(chunk["prompt_tokens"], chunk["completion_tokens"])})
+                        yield _event(responses.chunk(request_id, body.model, chat, [], responses.total_usage(
+                            list(finished.values()), body.n)))
                     break
                 try:
                     chunk = await stream.__anext__()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+from operator import methodcaller
 
 import ray
 from ray import serve
@@ -13,8 +14,10 @@ from ray.exceptions import RayActorError
 from ray.serve._private.utils import get_deployment_actor_name
 
 from app.async_engine import AsyncEngine
+from app.engine_process import DiscardResult, EngineProcess
 from app.engine import LLMEngine
 from app.errors import AdapterError, InternalError, ServingError
+from app.fanout import generate_choices, merge_chunks, output_chunk
 from app.sampling import SamplingParams
 from deploy import metrics
 from deploy.args import AppArgs
@@ -35,8 +38,11 @@ class LoRAReplica:
         self.uid = context.replica_id.unique_id
         self.state_actor_name = get_deployment_actor_name(
             context.replica_id.deployment_id, STATE_ACTOR, code_version=context.code_version)
-        engine = await asyncio.to_thread(LLMEngine, self.args.engine_config())
-        self.engine = AsyncEngine(engine)
+        config = self.args.engine_config()
+        if self.args.engine_process:  # the engine loop in its own process: no GIL shared with this event loop
+            self.engine = await asyncio.to_thread(EngineProcess, config)
+        else:
+            self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, config))
         self.adapters: dict[str, str] = {}
         await self._sync_adapters(self.args.initial_adapters())
         self._known: tuple | None = None
@@ -46,26 +52,24 @@ class LoRAReplica:
     # --- requests (called by the ingress) -------------------------------------------------------
 
     async def generate(self, body: dict) -> dict:
-        """Whole completion: {"text", "finish_reason", "usage", "replica"} or {"error"}."""
-        text, last = "", None
+        """Whole completion: {"choices": one merged chunk per choice, "replica"} or {"error"}."""
+        chunks = []
         async for chunk in self.stream(body):
             if "error" in chunk:
                 return chunk
-            text += chunk["text"]
-            last = chunk
-        return {**last, "text": text}
+            chunks.append(chunk)
+        return {"choices": merge_chunks(chunks), "replica": self.uid}
 
     async def stream(self, body: dict):
-        """Yields {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "replica"}."""
+        """Yields each choice's chunks (app/fanout.py's output_chunk, with "replica"), or one {"error"}."""
         try:
             params = SamplingParams(**body["params"])
             adapter_id = body.get("adapter_id")
             if adapter_id is not None and adapter_id not in self.adapters:
                 await self._adopt(adapter_id)  # registered moments ago, not yet synced here
-            async for output in self.engine.generate(body["prompt"], adapter_id, params, body.get("request_id")):
-                yield {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason,
-                       "prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
-                       "replica": self.uid}
+            async for index, output in generate_choices(self.engine, body["prompts"], adapter_id, params,
+                                                        body.get("n", 1), body.get("request_id")):
+                yield {**output_chunk(index, output), "replica": self.uid}
         except Exception as e:
             if not isinstance(e, ServingError):  # a bug, not the client's fault: keep serving
                 log.exception("request %s failed", body.get("request_id"))
@@ -79,17 +83,17 @@ class LoRAReplica:
         return {"state_actor": self.state_actor_name, "uid": self.uid}
 
     async def record_routing_stats(self) -> dict:
-        return await self.engine.call(lambda e: e.routing_stats())
+        return await self.engine.call(methodcaller("routing_stats"))
 
     async def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
-            raise RuntimeError("the engine thread has died")
+        if not self.engine.is_alive():
+            raise RuntimeError("the engine loop has died")
 
     async def engine_metrics(self) -> dict:
-        return {"replica": self.uid, **await self.engine.call(lambda e: e.metrics())}
+        return {"replica": self.uid, **await self.engine.call(methodcaller("metrics"))}
 
     async def check_invariants(self) -> dict:
-        await self.engine.call(lambda e: e.check_invariants())
+        await self.engine.call(methodcaller("check_invariants"))
         return {"replica": self.uid, "ok": True}
 
     # --- registry -------------------------------------------------------------------------------
@@ -98,7 +102,7 @@ class LoRAReplica:
         """Make this replica's registry equal `wanted` (the application's registry)."""
         for name in [n for n in self.adapters if n not in wanted]:
             try:
-                await self.engine.call(lambda e, n=name: e.unregister_adapter(n))
+                await self.engine.call(methodcaller("unregister_adapter", name))
                 del self.adapters[name]
             except AdapterError as e:  # in use: retried on the next sync
                 log.info("deferring unregister of %s: %s", name, e)
@@ -107,8 +111,8 @@ class LoRAReplica:
                 continue
             try:
                 if name in self.adapters:
-                    await self.engine.call(lambda e, n=name: e.unregister_adapter(n))
-                await asyncio.to_thread(self.engine.engine.register_adapter, name, path)
+                    await self.engine.call(methodcaller("unregister_adapter", name))
+                await self.engine.call_aside(DiscardResult(methodcaller("register_adapter", name, path)))
                 self.adapters[name] = path
             except ServingError as e:
                 log.warning("adapter %s at %s refused: %s", name, path, e)
@@ -130,10 +134,11 @@ class LoRAReplica:
         while True:
             try:
                 actor = actor or self._state()
-                stats = {**await self.engine.call(lambda e: e.routing_stats()), "rss_bytes": _rss_bytes()}
+                stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
                 reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
                 if reply["hints"]:
-                    self.engine.hint([h["adapter_id"] for h in reply["hints"]])
+                    self.engine.hint([h["adapter_id"] for h in reply["hints"] if h.get("kind") != "incoming"],
+                                     [h["adapter_id"] for h in reply["hints"] if h.get("kind") == "incoming"])
                 if "adapters" in reply:
                     if self._known is not None and reply["epoch"] != self._known[0]:
                         await actor.restore.remote(self.adapters)  # a recreated actor lost registrations
@@ -151,7 +156,7 @@ class LoRAReplica:
                 await asyncio.sleep(0.5)
 
     async def _export_metrics(self) -> None:
-        snapshot = await self.engine.call(lambda e: {**e.metrics(), "stalls": _drain(e.residency.metrics.unreported_stalls)})
+        snapshot = await self.engine.call(methodcaller("metrics", drain_stalls=True))
         for key, kind in (("hint_hits", "hit"), ("inflight_hits", "inflight"), ("misses", "miss")):
             delta = snapshot[key] - self._reported[key]
             if delta:
@@ -166,9 +171,3 @@ class LoRAReplica:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _drain(events) -> list:
-    out = list(events)
-    events.clear()
-    return out

@@ -35,6 +35,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._actor = None
         self._refresh_task: asyncio.Task | None = None
         self._hinted: dict[str, float] = {}  # internal request id -> when hinted
+        self._announced: dict[str, float] = {}  # internal request id -> when its spread target was told
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
         self._rng = random.Random()
@@ -62,6 +63,7 @@ class AdapterAffinityRouter(RequestRouter):
     def _prune(self, now: float) -> None:
         # Pending requests that were cancelled never complete: forget their hints eventually.
         self._hinted = {rid: at for rid, at in self._hinted.items() if now - at < 60.0}
+        self._announced = {rid: at for rid, at in self._announced.items() if now - at < 60.0}
         for adapter_id, uids in list(self._recent.items()):
             fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
             if fresh:
@@ -112,9 +114,14 @@ class AdapterAffinityRouter(RequestRouter):
             self._hinted[rid] = now
             self._actor.push_hint.remote(decision.uid, adapter_id, rid)  # fire and forget
             self._count("hint")
+        if decision.spread_to and adapter_id is not None and rid not in self._announced:
+            # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
+            self._announced[rid] = now
+            self._actor.push_hint.remote(decision.spread_to, adapter_id, rid, "incoming")
         if not decision.must_wait:
             self._count(decision.outcome)
             self._hinted.pop(rid, None)
+            self._announced.pop(rid, None)
             if adapter_id is not None:
                 self._recent.setdefault(adapter_id, {})[decision.uid] = now
         return [[by_uid[decision.uid]]]
@@ -126,6 +133,7 @@ class AdapterAffinityRouter(RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._hinted.pop(internal_request_id, None)
+        self._announced.pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)

@@ -63,8 +63,11 @@ class RouterState:
             self.forget_replica(uid)
         return {"epoch": self.epoch, "replicas": self.views}
 
-    async def push_hint(self, uid: str, adapter_id: str, request_id: str = "") -> None:
-        self.mailboxes[uid].append({"adapter_id": adapter_id, "request_id": request_id, "at": time.time()})
+    async def push_hint(self, uid: str, adapter_id: str, request_id: str = "", kind: str = "waiting") -> None:
+        """kind: "waiting" (a request waits in the router for this replica) or "incoming" (it waits for
+        another, saturated replica and may spread to this one)."""
+        self.mailboxes[uid].append({"adapter_id": adapter_id, "request_id": request_id, "at": time.time(),
+                                    "kind": kind})
         self.hints_pushed[uid] += 1
         self._wakeup(uid).set()
 

@@ -1,8 +1,8 @@
-"""Host -> device slot copies, off the critical path.
+"""Host -> device page copies, off the critical path.
 
-CUDA: a dedicated copy stream, one pinned H2D copy into a staging buffer, then a multi-tensor
-device scatter into the slot, with an event per load. The compute stream waits on that event
-(`wait_event`), so nothing on the forward path synchronizes the host.
+CUDA: a dedicated copy stream copies each of the adapter's pinned host pages straight into its device
+pages, then writes its page table row, rank and scales, with an event per load. The compute stream
+waits on that event (`wait_event`), so nothing on the forward path synchronizes the host.
 CPU: the same interface on a worker thread.
 """
 
@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from prefetch.host_cache import HostAdapter
 
-# write_slot(slot, flat, scales, rank) scatters a packed adapter (device or host memory) into a slot.
-WriteSlot = Callable[[int, torch.Tensor, torch.Tensor, int], None]
+# write_slot(slot, device pages, host page views, scales, rank) writes a packed adapter into its pages
+# and the slot's side tables.
+WriteSlot = Callable[[int, Sequence[int], Sequence[torch.Tensor], torch.Tensor, int], None]
 
 
 class Transfer(Protocol):
@@ -33,10 +34,9 @@ class Transfer(Protocol):
 
 
 class CudaTransfer:
-    def __init__(self, host: HostAdapter, start: torch.cuda.Event, copied: torch.cuda.Event, done: torch.cuda.Event):
-        self._host = host  # keeps the pinned source alive until the copy has run
-        self._start, self._copied, self.done_event = start, copied, done
-        self.nbytes = host.nbytes
+    def __init__(self, nbytes: int, start: torch.cuda.Event, done: torch.cuda.Event):
+        self._start, self.done_event = start, done
+        self.nbytes = nbytes
         self.issued_at = time.perf_counter()
 
     def is_done(self) -> bool:
@@ -49,37 +49,39 @@ class CudaTransfer:
         self.done_event.synchronize()
 
     def h2d_seconds(self) -> float:
-        return self._start.elapsed_time(self._copied) / 1e3
+        return self._start.elapsed_time(self.done_event) / 1e3
 
 
 class CudaCopier:
-    def __init__(self, device: torch.device, write_slot: WriteSlot, num_slots: int):
+    def __init__(self, device: torch.device, write_slot: WriteSlot):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._write_slot = write_slot
-        self._last_use: list[torch.cuda.Event | None] = [None] * num_slots
+        # The last forward that read each slot's side tables, and each page: a load must not overwrite
+        # them before it has run (pages move between slots as adapters come and go).
+        self._slot_last_use: dict[int, torch.cuda.Event] = {}
+        self._page_last_use: dict[int, torch.cuda.Event] = {}
 
-    def start(self, slot: int, host: HostAdapter) -> CudaTransfer:
-        start, copied, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        last_use = self._last_use[slot]
+    def start(self, slot: int, pages: Sequence[int], host: HostAdapter) -> CudaTransfer:
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        users = {self._slot_last_use.get(slot)} | {self._page_last_use.get(p) for p in pages}
         with torch.cuda.stream(self.stream):
-            if last_use is not None:
-                # The slot may still be read by a forward pass queued before it was unpinned.
-                self.stream.wait_event(last_use)
-            staging = torch.empty_like(host.flat, device=self.device)
+            for event in users - {None}:
+                # The slot or a page may still be read by a forward queued before it was unpinned.
+                self.stream.wait_event(event)
             start.record()
-            staging.copy_(host.flat, non_blocking=True)
-            copied.record()
-            self._write_slot(slot, staging, host.scales.to(self.device, non_blocking=True), host.rank)
+            self._write_slot(slot, pages, host.views, host.scales.to(self.device, non_blocking=True), host.rank)
             done.record()
-        return CudaTransfer(host, start, copied, done)
+        return CudaTransfer(host.nbytes, start, done)
 
-    def mark_used(self, slots) -> None:
-        """Record that the forward just queued on the compute stream reads these slots."""
+    def mark_used(self, slots, pages) -> None:
+        """Record that the forward just queued on the compute stream reads these slots and pages."""
         event = torch.cuda.Event()
         event.record()
         for slot in slots:
-            self._last_use[slot] = event
+            self._slot_last_use[slot] = event
+        for page in pages:
+            self._page_last_use[page] = event
 
     def shutdown(self) -> None:
         self.stream.synchronize()
@@ -104,26 +106,26 @@ class ThreadTransfer:
 class ThreadCopier:
     """CPU stand-in: the copy runs on a worker thread, completion is a future."""
 
-    def __init__(self, write_slot: WriteSlot, num_slots: int):
+    def __init__(self, write_slot: WriteSlot):
         self._write_slot = write_slot
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slot-copy")
 
-    def start(self, slot: int, host: HostAdapter) -> ThreadTransfer:
+    def start(self, slot: int, pages: Sequence[int], host: HostAdapter) -> ThreadTransfer:
         def copy() -> float:
             begin = time.perf_counter()
-            self._write_slot(slot, host.flat, host.scales, host.rank)
+            self._write_slot(slot, pages, host.views, host.scales, host.rank)
             return time.perf_counter() - begin
 
         return ThreadTransfer(self._executor.submit(copy), host.nbytes)
 
-    def mark_used(self, slots) -> None:
+    def mark_used(self, slots, pages) -> None:
         pass  # CPU forwards finish before the engine thread moves on
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
 
 
-def make_copier(device: torch.device, write_slot: WriteSlot, num_slots: int):
+def make_copier(device: torch.device, write_slot: WriteSlot):
     if device.type == "cuda":
-        return CudaCopier(device, write_slot, num_slots)
-    return ThreadCopier(write_slot, num_slots)
+        return CudaCopier(device, write_slot)
+    return ThreadCopier(write_slot)

@@ -32,6 +32,7 @@ class Placement:
     uid: str
     outcome: str  # "affinity" | "spread" | "cold" | "base"
     must_wait: bool  # the replica is full: the request stays pending, so hint the adapter now
+    spread_to: str | None = None  # waiting at a saturated holder: the replica it would spread to
 
 
 def place(adapter_id: str | None, replicas: list[ReplicaLoad], waited_s: float, spread_after_s: float,
@@ -55,9 +56,9 @@ def place(adapter_id: str | None, replicas: list[ReplicaLoad], waited_s: float, 
         if not best.is_full:
             return Placement(best.uid, "affinity", False)
         free = [r for r in others if not r.is_full]
-        if free and waited_s >= spread_after_s:
-            target = min(free, key=lambda r: (r.free_slots == 0, *load(r)))
+        target = min(free, key=lambda r: (r.free_slots == 0, *load(r))) if free else None
+        if target is not None and waited_s >= spread_after_s:
             return Placement(target.uid, "spread", False)
-        return Placement(best.uid, "affinity", True)
+        return Placement(best.uid, "affinity", True, spread_to=target.uid if target else None)
     target = min(replicas, key=lambda r: (r.is_full, r.free_slots == 0, *load(r)))
     return Placement(target.uid, "cold", target.is_full)

@@ -10,9 +10,10 @@ from typing import Callable, Mapping
 
 import torch
 
+from prefetch.arena import HostArena
 from prefetch.copier import make_copier
-from prefetch.host_cache import HostAdapter, HostCache
-from prefetch.layout import SlotLayout
+from prefetch.host_cache import HostCache
+from prefetch.layout import PageLayout
 from prefetch.metrics import PrefetchMetrics
 from prefetch.pipeline import PrefetchPipeline
 from prefetch.policy import plan, view_of
@@ -24,39 +25,47 @@ MAX_ABS_WEIGHT = 1e6
 
 
 class Residency:
-    def __init__(self, config, shapes: Mapping[str, tuple[int, int]],
-                 read_parts: Callable[[str], Mapping], device: torch.device, dtype: torch.dtype,
+    def __init__(self, config, layout: PageLayout, pool: SlotPool, read_parts: Callable[[str], Mapping],
+                 rank_of: Callable[[str], int], device: torch.device, dtype: torch.dtype,
                  steps_left: Callable[[int], int] = lambda slot: 0):
-        """read_parts(adapter_id) -> what SlotLayout.pack takes; called on disk worker threads.
+        """read_parts(adapter_id) -> what PageLayout.pack takes; called on disk worker threads.
+        rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs.
         steps_left(slot) -> how many more steps the requests pinning `slot` may run (the engine knows)."""
-        self.layout = SlotLayout(shapes, config.max_rank)
+        self.layout, self.pool = layout, pool
         self.device, self.dtype = device, dtype
         self.prefetch_enabled = config.prefetch
-        self._read_parts = read_parts
-        self.pool = SlotPool(config.num_slots)
+        self._read_parts, self._rank_of = read_parts, rank_of
         self.metrics = PrefetchMetrics()
-        self.host_cache = HostCache(config.host_cache_bytes, self._read, workers=config.disk_workers)
+        arena = HostArena.for_budget(config.host_cache_bytes, layout.page_numel, dtype, pin=device.type == "cuda",
+                                     min_pages=layout.max_pages)
+        self.host_cache = HostCache(arena, self._read, self.pages_of, workers=config.disk_workers)
         self._max_inflight = config.max_inflight_loads
         self.pipeline: PrefetchPipeline | None = None
         self.draining: int | None = None  # a pinned slot that takes no new requests, so it can be reused
         self._steps_left = steps_left
 
     def attach(self, write_slot) -> None:
-        copier = make_copier(self.device, write_slot, len(self.pool))
-        self.pipeline = PrefetchPipeline(self.pool, self.host_cache, copier, self.metrics, self._max_inflight)
+        copier = make_copier(self.device, write_slot)
+        self.pipeline = PrefetchPipeline(self.pool, self.host_cache, copier, self.metrics, self.pages_of,
+                                         self._max_inflight)
 
-    def _read(self, adapter_id: str) -> HostAdapter:
-        """Disk -> packed host buffer (worker thread). A handful of torch calls, each a GIL handoff that
+    def pages_of(self, adapter_id: str) -> int:
+        return self.layout.pages_for(self._rank_of(adapter_id))
+
+    def free_slots(self) -> int:
+        """Adapters at max_rank that could load now without an eviction."""
+        return min(self.pool.free_count(), self.pool.free_page_count() // self.layout.max_pages)
+
+    def _read(self, adapter_id: str, pages) -> tuple[torch.Tensor, int]:
+        """Disk -> the reserved host pages (worker thread). A handful of torch calls, each a GIL handoff that
         can wait behind the engine thread, so no per-module work happens here (see AdapterFile)."""
         parts = self._read_parts(adapter_id)
-        pin = self.device.type == "cuda"
-        flat = torch.empty(self.layout.numel, dtype=self.dtype, pin_memory=pin)
-        scales = self.layout.pack(parts, out=flat)
-        low, high = (value.item() for value in torch.aminmax(flat))
-        if not -MAX_ABS_WEIGHT <= low <= high <= MAX_ABS_WEIGHT:  # also false for NaN and overflowed casts
-            raise ValueError(f"weights reach [{low:g}, {high:g}] in {self.dtype}; the limit is ±{MAX_ABS_WEIGHT:g}")
-        rank = max((part[2] for part in parts.values()), default=0)
-        return HostAdapter(adapter_id, flat, scales.pin_memory() if pin else scales, 0.0, rank)
+        scales = self.layout.pack(parts, pages)
+        for page in pages:
+            low, high = (value.item() for value in torch.aminmax(page))
+            if not -MAX_ABS_WEIGHT <= low <= high <= MAX_ABS_WEIGHT:  # also false for NaN and overflowed casts
+                raise ValueError(f"weights reach [{low:g}, {high:g}] in {self.dtype}; the limit is ±{MAX_ABS_WEIGHT:g}")
+        return scales, max((part[2] for part in parts.values()), default=0)
 
     # --- per step -------------------------------------------------------------------------------
 
@@ -74,8 +83,8 @@ class Residency:
         if self.draining is not None and self.pool.slots[self.draining].pins == 0:
             self.draining = None
 
-    def prefetch(self, demand: list[str]) -> None:
-        self.pipeline.prefetch(demand)
+    def prefetch(self, demand: list[str], incoming: frozenset = frozenset()) -> None:
+        self.pipeline.prefetch(demand, incoming)
 
     def is_loading(self) -> bool:
         return bool(self.pipeline.loads)
@@ -89,7 +98,7 @@ class Residency:
         if slot is None and may_block:
             slot = self._load_now(adapter_id)
         if slot is None:
-            if self._planned_slot(adapter_id) is None and self.draining is None:
+            if self._planned_load(adapter_id) is None and self.draining is None:
                 self._start_draining()
             return None
         if slot == self.draining or not self.pipeline.is_usable(slot):
@@ -102,24 +111,25 @@ class Residency:
         if slot == self.draining and self.pool.slots[slot].pins == 0:
             self.draining = None
 
-    def _planned_slot(self, adapter_id: str) -> int | None:
-        loads = plan(view_of(self.pool), [adapter_id], max_loads=1).loads
+    def _planned_load(self, adapter_id: str) -> tuple[int, ...] | None:
+        """The victims a load of adapter_id needs now (ignoring what others want), or None if it cannot start."""
+        loads = plan(view_of(self.pool), [adapter_id], self.pipeline.page_needs([adapter_id]), max_loads=1).loads
         return loads[0][1] if loads else None
 
     def _start_draining(self) -> None:
         """Every slot is pinned: stop feeding the one that frees soonest (fewest steps left to its requests,
         then least recently used), so a waiting adapter gets in. Draining the least recently used slot
         alone let a waiting request sit behind a long generation for seconds on the H100."""
-        pinned = [i for i, s in enumerate(self.pool.slots) if s.pins > 0]
+        pinned = [i for i in self.pool.occupied() if self.pool.slots[i].pins > 0]
         if pinned:
             self.draining = min(pinned, key=lambda i: (self._steps_left(i), self.pool.slots[i].last_used))
 
     def _load_now(self, adapter_id: str) -> int | None:
-        slot = self._planned_slot(adapter_id)
-        if slot is None:
+        victims = self._planned_load(adapter_id)
+        if victims is None:
             return None
         start = time.perf_counter()
-        self.pipeline.start_load(adapter_id, slot, is_prefetch=False)
+        slot = self.pipeline.start_load(adapter_id, victims, is_prefetch=False)
         self.pipeline.wait_usable(slot)
         if slot in self.pipeline.loads:
             self.pipeline.loads[slot].transfer.wait()
@@ -133,11 +143,11 @@ class Residency:
         if adapter_id is None:
             return
         if self.pool.lookup(adapter_id) is None:
-            slot = self._planned_slot(adapter_id)
-            if slot is None:  # every slot is mid-load or pinned: wait for one to settle
+            victims = self._planned_load(adapter_id)
+            if victims is None:  # every slot is mid-load or pinned: wait for one to settle
                 self.pipeline.wait_any(timeout_s)
                 return
-            self.pipeline.start_load(adapter_id, slot, is_prefetch=False)
+            self.pipeline.start_load(adapter_id, victims, is_prefetch=False)
         self.pipeline.wait_usable(self.pool.lookup(adapter_id), timeout_s)
 
     def before_forward(self, slots) -> None:
@@ -163,24 +173,31 @@ class Residency:
         self.pool.check_invariants()
         self.pipeline.check_invariants()
         self.host_cache.check_invariants()
+        for load in self.pipeline.loads.values():
+            assert self.host_cache.held(load.adapter_id) == 1, f"load of {load.adapter_id} does not hold its host pages"
         if self.draining is not None:
             assert self.pool.slots[self.draining].pins > 0, "draining an unpinned slot"
 
     def snapshot(self) -> dict:
-        states = [s.state for s in self.pool.slots]
+        states = [self.pool.slots[i].state for i in self.pool.occupied()]
         return {
             **self.metrics.snapshot(self.host_cache.stats),
             "slots_total": len(self.pool),
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.free_page_count(),
+            "page_rows": self.layout.page_rows,
             "slots_ready": states.count(SlotState.READY),
             "slots_loading": states.count(SlotState.LOADING),
             "slots_pinned": self.pool.pinned_count(),
             "slots": self.pool.snapshot(),
             "host_cache_bytes": self.host_cache.bytes_used,
+            "host_arena_bytes": self.host_cache.budget_bytes,
+            "host_pinned_bytes": self.host_cache.arena.pinned_bytes,
             "resident_adapters": sorted(a for a, i in self.pool.adapter_to_slot.items()
                                         if self.pool.slots[i].state is SlotState.READY),
             "loading_adapters": sorted(load.adapter_id for load in self.pipeline.loads.values()),
         }
 
     def shutdown(self) -> None:
+        self.pipeline.copier.shutdown()  # copies read the host arena: finish them before it goes
         self.host_cache.shutdown()
-        self.pipeline.copier.shutdown()

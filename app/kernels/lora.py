@@ -1,33 +1,40 @@
-"""Segmented multi-adapter LoRA (the SGMV idea of Punica): a shrink and an expand kernel in Triton,
-next to `lora_reference`, the plain-torch loop they replace (and the CPU path of the engine).
+"""Segmented multi-adapter LoRA (the SGMV idea of Punica) over paged adapter memory: a shrink and an
+expand kernel in Triton, next to `lora_reference`, the plain-torch loop they replace (and the CPU path of
+the engine).
 
     # Per-step metadata, shared by every layer of one forward:
     #   token_order [T_cap] int32: token indices grouped by segment (a permutation of the real tokens, padded)
     #   seg_starts  [S_cap + 1] int32: segment i covers token_order[seg_starts[i] : seg_starts[i+1]]
     #   seg_slots   [S_cap] int32: the adapter slot of segment i; -1 = no adapter (base rows, or padding
     #               segments, which are empty)
-    # Weights of one target linear, for all slots:
-    #   A  [num_slots, max_rank, in_features]   (rows r >= the adapter's rank are zero)
-    #   BT [num_slots, max_rank, out_features]  (B transposed; rows r >= rank are zero)
-    #   scales [num_slots] float32 (this module's lora_alpha / r per slot; 0 for an unused slot)
-    #   slot_ranks [num_slots] int32 (each slot's real rank <= max_rank; the kernels skip rows >= rank)
+    # Adapter weights live in pages of rank rows (prefetch/layout.py); for one target linear:
+    #   A  [num_pages, P, in_features]   (page p's P rank rows of A; a strided view of the page pool)
+    #   BT [num_pages, P, out_features]  (the same rows of B transposed)
+    #   page_table [num_slots, max_pages] int32: slot s's rank row r lives in page page_table[s, r // P],
+    #              at row r % P
+    #   slot_ranks [num_slots] int32: each slot's rank; rows >= rank are never read
+    #   scales [num_slots] float32 (this module's lora_alpha / r per slot; 0 for a module the adapter skips)
+    def rows(W, s):  # the adapter's [rank, features] matrix, gathered from its pages
+        return stack([W[page_table[s, r // P], r % P] for r in range(slot_ranks[s])])
     for i in range(S):
         s = seg_slots[i]
         if s < 0: continue
         for t in token_order[seg_starts[i]:seg_starts[i+1]]:
-            y[t] += scales[s] * (x[t] @ A[s].T) @ BT[s]
+            y[t] += scales[s] * (x[t] @ rows(A, s).T) @ rows(BT, s)
 
 x is [T, in], y is [T, out] (same dtype: bf16, fp16 or fp32), y is updated in place, sums run in fp32.
 
 On CUDA, `lora_shrink` writes split-K partials of x @ A[s].T into a preallocated fp32 workspace
 [splits, T_cap, max(16, max_rank)] (no atomics, no memset), on a grid (segment, K split, M program);
 `lora_expand` sums the partials as it loads them and adds scale * xa @ BT[s] into y, on a grid
-(segment, out tile, M program). Each program loads its A (or BT) tile once and loops over its M tiles
-of the segment (all of them in decode, where there is one M program; prefill strides them over a few
-programs that share the tile through L2), so the bytes read grow with the distinct adapters in the
-batch, not with num_slots. Grids depend on static shapes only and loop bounds come from the metadata
-tensors, so both kernels replay under a CUDA graph; a segment with slot -1 or no tokens exits at once.
-Written by hand: no maintained library offers a graph-capturable segmented LoRA op in Triton.
+(segment, out tile, M program). Each program gathers its A (or BT) rows through the page table once (the
+page-table load goes out with the rank load, so paging adds no step to the chain of dependent loads)
+and loops over its M tiles of the segment (all of them in decode, where there is one M program; prefill
+strides them over a few programs that share the tile through L2), so the bytes read grow with the
+distinct adapters in the batch and their ranks, not with num_slots. Grids depend on static shapes only
+and loop bounds come from the metadata tensors, so both kernels replay under a CUDA graph; a segment
+with slot -1 or no tokens exits at once. Written by hand: no maintained library offers a
+graph-capturable segmented LoRA op over paged weights in Triton.
 """
 
 from __future__ import annotations
@@ -46,16 +53,24 @@ except ImportError:  # CPU installs carry no triton: only `lora_reference` is us
 DECODE_T_MAX = 256  # a bucket of at most this many tokens uses the decode config
 
 
-def lora_reference(y, x, A, BT, scales, token_order, seg_starts, seg_slots) -> None:
+def gather_rows(W: torch.Tensor, page_table: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+    """Slot `slot`'s [rank, features] rows of W [num_pages, P, features]."""
+    page_rows = W.shape[1]
+    pages = page_table[slot, : -(-rank // page_rows)].long()
+    return W.index_select(0, pages).flatten(0, 1)[:rank]
+
+
+def lora_reference(y, x, A, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots) -> None:
     """The loop of the module docstring in plain torch, one gather/matmul/scatter per segment."""
     starts, slots, scale_of = seg_starts.tolist(), seg_slots.tolist(), scales.tolist()
     for i, slot in enumerate(slots):
         lo, hi = starts[i], starts[i + 1]
         if slot < 0 or hi <= lo:
             continue
+        rank = int(slot_ranks[slot])
         rows = token_order[lo:hi].long()
-        xa = x.index_select(0, rows).float() @ A[slot].float().T  # [n, max_rank]
-        delta = (xa @ BT[slot].float()) * scale_of[slot]  # [n, out]
+        xa = x.index_select(0, rows).float() @ gather_rows(A, page_table, slot, rank).float().T  # [n, rank]
+        delta = (xa @ gather_rows(BT, page_table, slot, rank).float()) * scale_of[slot]  # [n, out]
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 
 
@@ -137,15 +152,20 @@ class LoRAWorkspace:
         return cls(torch.empty(splits, t_cap, block_r, dtype=torch.float32, device=device))
 
 
-def _check(x_or_y, weights, token_order, workspace, splits):
-    if token_order.dtype != torch.int32:
-        raise ValueError(f"metadata must be int32, got token_order {token_order.dtype}")
+def _max_rows(weights, page_table) -> int:
+    """Rank rows a slot can address: its page table row's pages of P rows."""
+    return page_table.shape[1] * weights.shape[1]
+
+
+def _check(x_or_y, weights, page_table, token_order, workspace, splits):
+    if token_order.dtype != torch.int32 or page_table.dtype != torch.int32:
+        raise ValueError(f"metadata must be int32, got token_order {token_order.dtype}, page_table {page_table.dtype}")
     if x_or_y.dtype != weights.dtype:
         raise ValueError(f"activation dtype {x_or_y.dtype} != weight dtype {weights.dtype}")
-    if x_or_y.stride(-1) != 1 or weights.stride(-1) != 1:
-        raise ValueError("activations and weights need a contiguous last dimension")
+    if x_or_y.stride(-1) != 1 or weights.stride(-1) != 1 or page_table.stride(-1) != 1:
+        raise ValueError("activations, weights and the page table need a contiguous last dimension")
     ws_splits, ws_t, ws_rank = workspace.xa.shape
-    block_r = _block_r(weights.shape[1])
+    block_r = _block_r(_max_rows(weights, page_table))
     if splits > ws_splits or token_order.numel() > ws_t or block_r > ws_rank:
         raise ValueError(f"workspace [splits {ws_splits}, t_cap {ws_t}, rank tile {ws_rank}] is smaller than "
                          f"this call's [splits {splits}, t_cap {token_order.numel()}, rank tile {block_r}]")
@@ -155,53 +175,58 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 tests expect fp32 sums; bf16/fp16 ignore it
 
 
-def lora_shrink(x, A, slot_ranks, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
+def lora_shrink(x, A, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
                 config: KernelConfig | None = None) -> int:
-    """workspace.xa[j, p] = x[token_order[p]] @ A[s, :, K-split j].T for every position p of an adapter
-    segment. Returns the split count, which `lora_expand` must be given."""
+    """workspace.xa[j, p] = x[token_order[p]] @ rows(A, s)[:, K-split j].T for every position p of an
+    adapter segment. Returns the split count, which `lora_expand` must be given."""
     config = config or pick_config(token_order.numel())
-    in_features, block_r = A.shape[2], _block_r(A.shape[1])
+    in_features, max_rows = A.shape[2], _max_rows(A, page_table)
+    block_r = _block_r(max_rows)
     block_m, block_k = shrink_tiles(in_features, block_r, A.element_size(), config)
     splits = -(-in_features // block_k)
-    _check(x, A, token_order, workspace, splits)
+    _check(x, A, page_table, token_order, workspace, splits)
     ws = workspace.xa
     _shrink_kernel[(seg_slots.numel(), splits, config.m_programs)](
-        x, A, ws, slot_ranks, token_order, seg_starts, seg_slots,
-        in_features, x.stride(0), A.stride(0), A.stride(1), ws.stride(0), ws.stride(1),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, M_PROGRAMS=config.m_programs,
+        x, A, ws, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+        in_features, x.stride(0), A.stride(0), A.stride(1), page_table.stride(0), ws.stride(0), ws.stride(1),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, PAGE_ROWS=A.shape[1], MAX_ROWS=max_rows,
+        M_PROGRAMS=config.m_programs,
         PRECISION=_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     return splits
 
 
-def lora_expand(y, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
-                splits: int, config: KernelConfig | None = None) -> None:
-    """y[t] += scales[s] * (sum over splits of workspace.xa[:, p]) @ BT[s], t = token_order[p]."""
+def lora_expand(y, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+                workspace: LoRAWorkspace, splits: int, config: KernelConfig | None = None) -> None:
+    """y[t] += scales[s] * (sum over splits of workspace.xa[:, p]) @ rows(BT, s), t = token_order[p]."""
     config = config or pick_config(token_order.numel())
-    _check(y, BT, token_order, workspace, splits)
-    out_features, block_r = BT.shape[2], _block_r(BT.shape[1])
+    _check(y, BT, page_table, token_order, workspace, splits)
+    out_features, max_rows = BT.shape[2], _max_rows(BT, page_table)
+    block_r = _block_r(max_rows)
     block_n, num_stages = expand_tiles(block_r, BT.element_size(), config)
     ws = workspace.xa
     grid = (seg_slots.numel(), triton.cdiv(out_features, block_n), config.m_programs)
     _expand_kernel[grid](
-        y, BT, ws, scales, slot_ranks, token_order, seg_starts, seg_slots,
-        out_features, y.stride(0), BT.stride(0), BT.stride(1), ws.stride(0), ws.stride(1),
-        SPLITS=splits, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_R=block_r, M_PROGRAMS=config.m_programs,
+        y, BT, ws, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+        out_features, y.stride(0), BT.stride(0), BT.stride(1), page_table.stride(0), ws.stride(0), ws.stride(1),
+        SPLITS=splits, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_R=block_r, PAGE_ROWS=BT.shape[1],
+        MAX_ROWS=max_rows, M_PROGRAMS=config.m_programs,
         PRECISION=_precision(y.dtype), num_warps=config.num_warps, num_stages=num_stages)
 
 
-def lora_apply(y, x, A, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
-               config: KernelConfig | None = None) -> None:
+def lora_apply(y, x, A, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+               workspace: LoRAWorkspace, config: KernelConfig | None = None) -> None:
     """The module docstring's loop on CUDA: one shrink launch, then one expand launch."""
-    splits = lora_shrink(x, A, slot_ranks, token_order, seg_starts, seg_slots, workspace, config)
-    lora_expand(y, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, workspace, splits, config)
+    splits = lora_shrink(x, A, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace, config)
+    lora_expand(y, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace, splits, config)
 
 
 if triton is not None:
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, ws_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr,
-                       K, stride_xt, stride_as, stride_ar, stride_wsj, stride_wsp,
+    def _shrink_kernel(x_ptr, a_ptr, ws_ptr, ranks_ptr, pages_ptr, order_ptr, starts_ptr, slots_ptr,
+                       K, stride_xt, stride_ap, stride_ar, stride_pt, stride_wsj, stride_wsp,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       PAGE_ROWS: tl.constexpr, MAX_ROWS: tl.constexpr,
                        M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
         seg = tl.program_id(0)
         split = tl.program_id(1)
@@ -211,12 +236,15 @@ if triton is not None:
         first = start + tl.program_id(2) * BLOCK_M  # this program's first M tile
         if (slot < 0) | (end <= first):
             return
-        rank = tl.load(ranks_ptr + slot)
-        offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
         offs_r = tl.arange(0, BLOCK_R)
+        rank = tl.load(ranks_ptr + slot)  # the rank and page loads go out together
+        page = tl.load(pages_ptr + slot.to(tl.int64) * stride_pt + offs_r // PAGE_ROWS, mask=offs_r < MAX_ROWS,
+                       other=0)
+        rows = page.to(tl.int64) * stride_ap + (offs_r % PAGE_ROWS) * stride_ar  # [BLOCK_R] row offsets
+        offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        r_mask = offs_r < rank  # rows past the rank are never read: a rank-8 slot costs half a rank-16 one
-        a = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
+        r_mask = offs_r < rank  # rows past the rank are never read: a rank-8 adapter costs half a rank-16 one
+        a = tl.load(a_ptr + rows[:, None] + offs_k[None, :],
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K], read once
         a_t = tl.trans(a)
         ws_split = ws_ptr + split * stride_wsj
@@ -231,10 +259,11 @@ if triton is not None:
             tl.store(ws_split + pos[:, None] * stride_wsp + offs_r[None, :], part, mask=m_mask[:, None])
 
     @triton.jit
-    def _expand_kernel(y_ptr, bt_ptr, ws_ptr, scales_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr,
-                       N, stride_yt, stride_bs, stride_br, stride_wsj, stride_wsp,
+    def _expand_kernel(y_ptr, bt_ptr, ws_ptr, scales_ptr, ranks_ptr, pages_ptr, order_ptr, starts_ptr, slots_ptr,
+                       N, stride_yt, stride_bp, stride_br, stride_pt, stride_wsj, stride_wsp,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_R: tl.constexpr, M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_R: tl.constexpr, PAGE_ROWS: tl.constexpr, MAX_ROWS: tl.constexpr,
+                       M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
         seg = tl.program_id(0)
         n_tile = tl.program_id(1)
         slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
@@ -243,13 +272,16 @@ if triton is not None:
         first = start + tl.program_id(2) * BLOCK_M  # this program's first M tile
         if (slot < 0) | (end <= first):
             return
-        rank = tl.load(ranks_ptr + slot)
-        scale = tl.load(scales_ptr + slot)
-        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
+        rank = tl.load(ranks_ptr + slot)  # the rank, scale and page loads go out together
+        scale = tl.load(scales_ptr + slot)
+        page = tl.load(pages_ptr + slot.to(tl.int64) * stride_pt + offs_r // PAGE_ROWS, mask=offs_r < MAX_ROWS,
+                       other=0)
+        rows = page.to(tl.int64) * stride_bp + (offs_r % PAGE_ROWS) * stride_br  # [BLOCK_R] row offsets
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         r_mask = offs_r < rank
-        bt = tl.load(bt_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
+        bt = tl.load(bt_ptr + rows[:, None] + offs_n[None, :],
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N], read once
         for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
             pos = m0 + tl.arange(0, BLOCK_M)

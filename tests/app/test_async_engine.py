@@ -89,7 +89,7 @@ def test_validation_errors_raise_before_streaming(async_engine, manifest):
     with pytest.raises(InvalidRequest, match="empty"):
         asyncio.run(first([], None))
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
 
 
 def test_unregister_refuses_while_in_use_then_succeeds(async_engine, adapter_names, manifest):

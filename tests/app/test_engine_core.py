@@ -54,3 +54,38 @@ def test_a_request_that_can_never_fit_is_refused_at_submission(make_engine, mani
     with pytest.raises(InvalidRequest, match="KV cache"):
         engine.add_request(manifest["prompts"][0], None, greedy(60))
     assert not engine.has_requests()
+
+
+def packed_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """varlen flash's contract, per sequence: causal, bottom-right aligned, GQA."""
+    import torch
+    import torch.nn.functional as F
+
+    out, group = torch.empty_like(q), q.shape[1] // k.shape[1]
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        n, length = len(qs), len(ks)
+        assert n <= max_q and length <= max_k
+        keys = torch.arange(length)
+        mask = keys[None, :] <= keys[length - n:, None]
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1).repeat_interleave(group, 0),
+                                           vs.transpose(0, 1).repeat_interleave(group, 0), attn_mask=mask, scale=scale)
+        out[cu_q[i]:cu_q[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+def test_packed_varlen_prefill_equals_per_sequence(make_engine, manifest, adapter_names, monkeypatch):
+    """The runner's packing for one varlen call per layer (context rows gathered from the paged cache,
+    query and context offsets) against the per-sequence path, with chunks that continue earlier ones.
+    CUDA runs torch's flash varlen here (a GPU test checks it); on CPU its contract stands in."""
+    from app import attention
+
+    work = jobs(manifest, adapter_names)
+    whole = generate(make_engine(num_slots=8), work)
+    engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
+    calls = []
+    monkeypatch.setattr(attention, "VARLEN", lambda *args: calls.append(1) or packed_reference(*args))
+    engine.runner.use_varlen = True
+    assert generate(engine, work) == whole
+    assert calls, "the packed path never ran"

@@ -5,6 +5,7 @@ BF16_TIE of each other (a near tie that bf16 rounding can flip); prompt logits a
 BF16_ATOL. Both numbers are stated in README.
 """
 
+import itertools
 import time
 from pathlib import Path
 
@@ -13,12 +14,14 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from app import attention as attention_module
 from app.lora import LoRASlots
 from app.targets import target_shapes
 from engine_helpers import greedy, run_all
 from prefetch.copier import CudaCopier
 from prefetch.host_cache import HostAdapter
-from prefetch.layout import SlotLayout
+from prefetch.arena import HostArena
+from prefetch.layout import PageLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16_TIE = 0.25
@@ -77,11 +80,15 @@ def test_prefetch_copy_overlaps_forward():
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=8)
     model = LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
-    layout = SlotLayout(target_shapes(config), max_rank=64)
-    lora = LoRASlots(model, layout, num_slots=2, t_cap=8 * 512)
-    copier = CudaCopier(torch.device("cuda"), lora.write_slot, num_slots=2)
-    flat = torch.randn(layout.numel).mul_(0.01).to(torch.bfloat16).pin_memory()
-    host = HostAdapter("big", flat, torch.ones(len(layout.modules)).pin_memory(), 0.0)
+    layout = PageLayout(target_shapes(config), max_rank=64)
+    lora = LoRASlots(model, layout, num_pages=2 * layout.max_pages, num_slots=2, t_cap=8 * 512)
+    copier = CudaCopier(torch.device("cuda"), lora.write_slot)
+    arena = HostArena(layout.max_pages, layout.page_numel, torch.bfloat16, pin=True)
+    pages = tuple(range(layout.max_pages))
+    for view in arena.views(pages):
+        view.copy_(torch.randn(layout.page_numel).mul_(0.01))
+    host = HostAdapter("big", pages, tuple(arena.views(pages)), torch.ones(len(layout.modules)), 0.0, 64,
+                       arena.page_nbytes)
     ids = torch.randint(32000, (8, 512), device="cuda")
     with torch.inference_mode():
         model(input_ids=ids)  # warm up kernels
@@ -93,7 +100,7 @@ def test_prefetch_copy_overlaps_forward():
         model(input_ids=ids)  # queued on the compute stream
         fwd_end.record()
         t0 = time.perf_counter()
-        transfer = copier.start(1, host)  # issued while the forward is still running
+        transfer = copier.start(1, [layout.max_pages + p for p in pages], host)  # while the forward runs
         issue_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
     forward = (origin.elapsed_time(fwd_start), origin.elapsed_time(fwd_end))
@@ -102,6 +109,8 @@ def test_prefetch_copy_overlaps_forward():
           f"({host.nbytes / 1e6:.0f} MB, host issue {issue_ms:.2f} ms)")
     assert copy[0] < forward[1] and copy[1] > forward[0], "copy did not overlap the forward"
     assert torch.equal(lora.ctx.scales[:, 1].cpu(), torch.ones(len(layout.modules)))
+    assert torch.equal(lora.pool[layout.max_pages:].cpu(), arena.buffer)
+    arena.close()
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +163,54 @@ def test_graph_replay_equals_eager_and_peft(make_engine, graph_model, manifest):
         for (prompt, adapter), got in zip(jobs, outputs[variant]):
             tokens, scores, _ = reference(graph_model, None if adapter is None else f"adapters/{adapter}", prompt)
             assert agrees_up_to_near_tie(got, tokens, scores), (variant, adapter, got, tokens)
+
+
+def test_paged_adapter_pool_under_graphs_equals_padded_slots(make_engine, graph_model, manifest):
+    """Rank-aware pages (the three adapters, ranks 4/8/16, share the bytes of one rank-16 slot and a half, so
+    they churn) replayed in decode graphs give the tokens of padded slots: the kernels follow the page table."""
+    names = ["a0", "a1", "a2"]
+    prompts = manifest["prompts"]
+    jobs = [(prompts[i % len(prompts)], ([None] + names)[i % 4]) for i in range(12)]
+    outputs = {}
+    for variant in ("padded", "paged"):
+        sizing = {"num_slots": 4} if variant == "padded" else {"num_slots": None,
+                                                                "adapter_memory_bytes": 6 * _page(graph_model)}
+        engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
+                             adapter_roots=(str(graph_model / "adapters"),), compile_decode=False,
+                             max_prefill_tokens_per_step=16, **sizing)
+        assert engine.runner.graphs
+        for name in names:
+            engine.register_adapter(name, str(graph_model / "adapters" / name))
+        requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
+        tokens = run_all(engine, check=True)
+        outputs[variant] = [tokens[r.request_id] for r in requests]
+        if variant == "paged":
+            assert engine.residency.pool.num_pages == 6 and engine.metrics()["evictions"] > 0
+    same = sum(a == b for a, b in zip(outputs["padded"], outputs["paged"]))
+    assert same >= 11, f"{same}/12 identical between paged and padded slots"
+
+
+def _page(graph_model) -> int:
+    """Bytes of one page (4 rank rows of every target) of graph_model in bf16."""
+    config = LlamaConfig.from_pretrained(graph_model / "base")
+    return PageLayout(target_shapes(config), max_rank=16).page_nbytes(torch.bfloat16)
+
+
+@pytest.mark.skipif(attention_module.VARLEN is None, reason="this torch has no varlen flash attention")
+def test_varlen_prefill_matches_the_packed_reference():
+    """torch's varlen flash (one call for every prefill chunk of a step) against its contract: causal and
+    bottom-right aligned when a chunk continues a cached context, GQA without repeated K/V."""
+    from test_engine_core import packed_reference
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 128
+    lens_q, lens_k = [5, 64, 17, 1], [5, 100, 40, 33]  # whole prompts and continuation chunks
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    got = attention_module.VARLEN(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dim ** -0.5)
+    want = packed_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), cu_q.cpu(), cu_k.cpu(),
+                            max(lens_q), max(lens_k), dim ** -0.5)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)

@@ -1,33 +1,50 @@
-"""Segmented LoRA: `lora_reference` against the literal per-token loop (CPU), and the Triton shrink/expand
-against `lora_reference` (marker `gpu`), eagerly and replayed under a CUDA graph with new metadata."""
+"""Segmented LoRA over paged adapter memory: `lora_reference` against the literal per-token loop (CPU), and the
+Triton shrink/expand against `lora_reference`: in Triton's CPU interpreter (tests/app/lora_interpret.py, when
+triton is importable) and on CUDA (marker `gpu`), eagerly and replayed under a CUDA graph with new metadata."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from app.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, lora_reference
+from app.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, gather_rows, lora_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: xa is rounded to bf16 before the expand
 
 
-def past_rank(slot_ranks, max_rank):
-    """[num_slots, max_rank, 1] bool: the padding rows of each slot."""
-    return (torch.arange(max_rank, device=slot_ranks.device)[None, :] >= slot_ranks[:, None])[..., None]
+def padding_rows(slot_ranks, page_table, num_pages, page_rows):
+    """[num_pages, page_rows, 1] bool: rows that hold no adapter's rank row (past a slot's rank, or unused pages)."""
+    used = torch.zeros(num_pages, page_rows, dtype=torch.bool)
+    table = page_table.tolist()
+    for slot, rank in enumerate(slot_ranks.tolist()):
+        for r in range(rank):
+            used[table[slot][r // page_rows], r % page_rows] = True
+    return (~used)[..., None].to(slot_ranks.device)
 
 
-def make_weights(num_slots, max_rank, in_features, out_features, dtype, device, seed, ranks=(8, 16)):
-    """Random adapters of mixed ranks, drawn on `device`; rows past each slot's rank are zero, as the slot
-    pool writes them."""
+def make_weights(num_slots, max_rank, in_features, out_features, dtype, device, seed, ranks=(8, 16), page_rows=4):
+    """Random adapters of mixed ranks in shuffled pages of page_rows rank rows (plus spare pages), drawn on
+    `device`, laid out as the slot pool lays them: (A [pages, P, in], BT [pages, P, out], scales, slot_ranks,
+    page_table [num_slots, max_pages]). Rows that hold no rank row are zero, as pack leaves them."""
     gen = torch.Generator(device).manual_seed(seed)
     pick = torch.randint(len(ranks), (num_slots,), generator=gen, device=device)
     slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)[pick]
-    A = torch.randn(num_slots, max_rank, in_features, generator=gen, device=device) / in_features ** 0.5
-    BT = torch.randn(num_slots, max_rank, out_features, generator=gen, device=device) / 4.0
-    padding = past_rank(slot_ranks, max_rank)
+    max_pages = -(-max_rank // page_rows)
+    num_pages = num_slots * max_pages + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    page_table = order[: num_slots * max_pages].view(num_slots, max_pages).to(torch.int32).to(device)
+    A = torch.randn(num_pages, page_rows, in_features, generator=gen, device=device) / in_features ** 0.5
+    BT = torch.randn(num_pages, page_rows, out_features, generator=gen, device=device) / 4.0
+    padding = padding_rows(slot_ranks, page_table, num_pages, page_rows)
     A.masked_fill_(padding, 0.0)
     BT.masked_fill_(padding, 0.0)
     scales = torch.rand(num_slots, generator=gen, device=device) + 0.5
-    return A.to(dtype), BT.to(dtype), scales, slot_ranks
+    return A.to(dtype), BT.to(dtype), scales, slot_ranks, page_table
 
 
 def make_segments(segments, t_cap, s_cap, gen, device):
@@ -45,15 +62,19 @@ def make_segments(segments, t_cap, s_cap, gen, device):
     return token_order.to(device), torch.tensor(starts, **as_int), torch.tensor(slots, **as_int)
 
 
-def naive(y, x, A, BT, scales, token_order, seg_starts, seg_slots):
-    """The module docstring's loop, token by token, in float64."""
+def naive(y, x, A, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots):
+    """The module docstring's loop, token by token and rank row by rank row, in float64."""
     out = y.double()
+    P = A.shape[1]
     for i in range(seg_slots.numel()):
         s = int(seg_slots[i])
         if s < 0:
             continue
+        rows = [(int(page_table[s, r // P]), r % P) for r in range(int(slot_ranks[s]))]
+        a = torch.stack([A[p, r] for p, r in rows]).double()
+        bt = torch.stack([BT[p, r] for p, r in rows]).double()
         for t in token_order[int(seg_starts[i]):int(seg_starts[i + 1])].tolist():
-            out[t] += float(scales[s]) * (x[t].double() @ A[s].double().T) @ BT[s].double()
+            out[t] += float(scales[s]) * (x[t].double() @ a.T) @ bt
     return out
 
 
@@ -72,15 +93,15 @@ def base_rows(token_order, seg_starts, seg_slots, real):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_matches_token_loop(dtype):
     gen = torch.Generator().manual_seed(0)
-    A, BT, scales, _ = make_weights(6, 16, 40, 24, dtype, "cpu", seed=0)
+    weights = make_weights(6, 16, 40, 24, dtype, "cpu", seed=0, ranks=(4, 7, 16))
     segments = [(3, 2), (4, -1), (1, 5), (0, 1), (5, 0)]  # a base segment and an empty adapter segment
     real = sum(n for n, _ in segments)
     token_order, seg_starts, seg_slots = make_segments(segments, t_cap=real + 3, s_cap=8, gen=gen, device="cpu")
     x = torch.randn(real, 40, generator=gen).to(dtype)
     y0 = torch.randn(real, 24, generator=gen).to(dtype)
     y = y0.clone()
-    lora_reference(y, x, A, BT, scales, token_order, seg_starts, seg_slots)
-    want = naive(y0, x, A, BT, scales, token_order, seg_starts, seg_slots)
+    lora_reference(y, x, *weights, token_order, seg_starts, seg_slots)
+    want = naive(y0, x, *weights, token_order, seg_starts, seg_slots)
     assert rel_error(y, want, y0) < (1e-6 if dtype == torch.float32 else 1e-2)
     base = base_rows(token_order, seg_starts, seg_slots, real)
     assert len(base) == 4 and torch.equal(y[base], y0[base])
@@ -88,12 +109,31 @@ def test_reference_matches_token_loop(dtype):
 
 def test_reference_without_adapters_leaves_y_alone():
     gen = torch.Generator().manual_seed(1)
-    A, BT, scales, _ = make_weights(2, 8, 16, 16, torch.float32, "cpu", seed=1)
+    weights = make_weights(2, 8, 16, 16, torch.float32, "cpu", seed=1, ranks=(4, 8))
     token_order, seg_starts, seg_slots = make_segments([(5, -1)], t_cap=8, s_cap=4, gen=gen, device="cpu")
     y0 = torch.randn(5, 16, generator=gen)
     y = y0.clone()
-    lora_reference(y, torch.randn(5, 16, generator=gen), A, BT, scales, token_order, seg_starts, seg_slots)
+    lora_reference(y, torch.randn(5, 16, generator=gen), *weights, token_order, seg_starts, seg_slots)
     assert torch.equal(y, y0)
+
+
+def test_gather_rows_follows_the_page_table():
+    A = torch.arange(5 * 4 * 2, dtype=torch.float32).view(5, 4, 2)  # 5 pages of 4 rows
+    page_table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    rows = gather_rows(A, page_table, slot=0, rank=6)  # page 3's 4 rows, then page 0's first 2
+    assert torch.equal(rows, torch.cat([A[3], A[0, :2]]))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (any build) for its interpreter")
+def test_triton_kernels_in_the_cpu_interpreter():
+    """The same kernels the GPU runs, interpreted on CPU tensors (TRITON_INTERPRET=1, in a fresh process: the
+    flag must be set before triton.jit wraps them). Covers paging, mixed and odd ranks, NaN padding rows,
+    both configs and several M programs."""
+    script = Path(__file__).with_name("lora_interpret.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(script.parents[2]), *sys.path])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all interpreter cases match" in result.stdout
 
 
 def test_workspace_and_config_sizes():
@@ -104,25 +144,28 @@ def test_workspace_and_config_sizes():
         KernelConfig(target_splits=4, block_m=16, block_n=96, num_warps=4)
 
 
-def run_kernels(dtype, in_features, out_features, max_rank, segments, t_cap, s_cap, seed, config=None):
+def run_kernels(dtype, in_features, out_features, max_rank, segments, t_cap, s_cap, seed, config=None,
+                device="cuda", page_rows=4, ranks=(8, 16)):
     from app.kernels.lora import lora_apply
 
     gen = torch.Generator().manual_seed(seed)
-    A, BT, scales, slot_ranks = make_weights(64, max_rank, in_features, out_features, dtype, "cuda", seed)
-    token_order, seg_starts, seg_slots = make_segments(segments, t_cap, s_cap, gen, "cuda")
+    A, BT, scales, slot_ranks, page_table = make_weights(64, max_rank, in_features, out_features, dtype, device,
+                                                         seed, ranks=ranks, page_rows=page_rows)
+    token_order, seg_starts, seg_slots = make_segments(segments, t_cap, s_cap, gen, device)
     real = sum(n for n, _ in segments)
-    x = torch.randn(real, in_features, device="cuda", dtype=dtype)
-    y0 = torch.randn(real, out_features, device="cuda", dtype=dtype)
+    x = torch.randn(real, in_features, device=device, dtype=dtype)
+    y0 = torch.randn(real, out_features, device=device, dtype=dtype)
     want = y0.clone()
-    lora_reference(want, x, A, BT, scales, token_order, seg_starts, seg_slots)
-    padding = past_rank(slot_ranks, max_rank)  # the kernels must never read rows past the rank
+    lora_reference(want, x, A, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots)
+    padding = padding_rows(slot_ranks, page_table, A.shape[0], page_rows)  # never read: NaN would show
     A.masked_fill_(padding, float("nan"))
     BT.masked_fill_(padding, float("nan"))
-    ws = LoRAWorkspace.allocate(t_cap, max_rank, [in_features], "cuda")
+    ws = LoRAWorkspace.allocate(t_cap, max_rank, [in_features], device)
     ws.xa.fill_(float("nan"))
     got = y0.clone()
-    lora_apply(got, x, A, BT, scales, slot_ranks, token_order, seg_starts, seg_slots, ws, config)
-    torch.cuda.synchronize()
+    lora_apply(got, x, A, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots, ws, config)
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert rel_error(got, want, y0) < TOLERANCE[dtype]
     base = base_rows(token_order.cpu(), seg_starts.cpu(), seg_slots.cpu(), real)
     assert torch.equal(got[base], y0[base])
@@ -178,8 +221,8 @@ def test_cuda_graph_follows_new_metadata():
     ws = LoRAWorkspace.allocate(t_cap, 16, [4096, 14336], "cuda")
 
     def step():
-        for (A, BT, scales, ranks), x, y in zip(targets, xs, ys):
-            lora_apply(y, x, A, BT, scales, ranks, *meta, ws)
+        for weights, x, y in zip(targets, xs, ys):
+            lora_apply(y, x, *weights, *meta, ws)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -203,9 +246,9 @@ def test_cuda_graph_follows_new_metadata():
             y.copy_(y0)
         graph.replay()
         torch.cuda.synchronize()
-        for (A, BT, scales, _), x, y, y0 in zip(targets, xs, ys, y0s):
+        for weights, x, y, y0 in zip(targets, xs, ys, y0s):
             want = y0.clone()
-            lora_reference(want, x, A, BT, scales, *new_meta)
+            lora_reference(want, x, *weights, *new_meta)
             if all(s < 0 for _, s in segments):
                 assert torch.equal(y, y0)
             else:

@@ -78,3 +78,25 @@ def test_slots_record_each_adapters_rank_for_the_kernels(make_engine, manifest):
     for slot, state in enumerate(engine.residency.pool.slots):
         if state.adapter_id is not None:
             assert engine.lora.ctx.slot_ranks[slot].item() == ranks[state.adapter_id], state.adapter_id
+
+
+def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make_engine, manifest, adapter_names):
+    """Two requests for `kept` wait in the router (two hints), or one waits at another replica and may spread
+    here (incoming): a one-off queued request waits for a slot to free instead of evicting it."""
+    prompt = manifest["prompts"][0]
+    busy, kept, one_off = adapter_names[:3]
+    for hints, incoming in (([kept, kept], []), ([], [kept])):
+        engine = make_engine(num_slots=2)
+        engine.add_request(prompt, kept, greedy(1))
+        run_all(engine)
+        engine.add_request(prompt, busy, greedy(12, ignore_eos=True))  # pins the other slot
+        engine.step()
+        engine.hint(hints, incoming)
+        request = engine.add_request(prompt, one_off, greedy(2))
+        for _ in range(6):
+            engine.step()
+            assert engine.residency.pool.lookup(kept) is not None, "evicted for a one-off"
+            assert engine.residency.pool.lookup(one_off) is None
+        tokens = run_all(engine, check=True)
+        assert len(tokens[request.request_id]) == 2  # it ran once the busy slot freed
+        assert engine.residency.pool.lookup(kept) is not None, "the one-off took the busy adapter's slot"

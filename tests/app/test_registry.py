@@ -40,7 +40,7 @@ from app.registry import (
     validate_adapter_id,
 )
 from app.targets import ATTENTION_TARGETS, SUPPORTED_TARGETS, target_shapes
-from prefetch.layout import SlotLayout
+from prefetch.layout import PageLayout
 
 ATTN = list(ATTENTION_TARGETS)
 
@@ -416,23 +416,29 @@ def test_load_weights(registry, root):
 
 def test_packed_read_equals_reference(registry, root):
     """The engine's GIL-light path (1-D slices, one multi-tensor copy) packs what a plain per-module loop packs:
-    A zero-padded to max_rank, Bᵀ likewise, the fp32 file cast to the engine's bf16."""
+    rank row k of A and of Bᵀ in page k // page_rows at row k % page_rows, zeros past each module's rank, the
+    fp32 file cast to the engine's bf16."""
     make_adapter(root / "pat", r=8, lora_alpha=16, target_modules=ATTN, rank_pattern={"v_proj": 2})
     spec = registry.register("pat", "pat")
-    layout = SlotLayout(target_shapes(BASE), max_rank=16)
-    packed = torch.full((layout.numel,), 7.0, dtype=torch.bfloat16)  # pack must clear what it does not write
-    scales = layout.pack(read_adapter(spec).flat_parts(), out=packed)
+    layout = PageLayout(target_shapes(BASE), max_rank=16, page_rows=4)
+    assert layout.pages_for(spec.rank) == 2
+    pages = [torch.full((layout.page_numel,), 7.0, dtype=torch.bfloat16) for _ in range(2)]  # pack clears them
+    scales = layout.pack(read_adapter(spec).flat_parts(), pages)
 
-    expected = torch.zeros(layout.numel, dtype=torch.bfloat16)
-    views = layout.views(expected)
+    expected = [torch.zeros(layout.page_numel, dtype=torch.bfloat16) for _ in range(2)]
     for module, lora in load_weights(spec, dtype=torch.bfloat16).items():
         index = layout.module_index[module]
-        views[2 * index][: lora.A.shape[0]] = lora.A
-        views[2 * index + 1][: lora.B.shape[1]] = lora.B.T
+        a_seg, bt_seg = layout.segments[2 * index], layout.segments[2 * index + 1]
+        for k in range(lora.A.shape[0]):
+            page, row = divmod(k, 4)
+            expected[page][a_seg.offset + row * a_seg.cols:][: a_seg.cols] = lora.A[k]
+            expected[page][bt_seg.offset + row * bt_seg.cols:][: bt_seg.cols] = lora.B[:, k]
         assert scales[index] == lora.scale
-    assert torch.equal(packed, expected)
+    assert all(torch.equal(got, want) for got, want in zip(pages, expected))
     untargeted = [i for i, module in enumerate(layout.modules) if module not in spec.module_ranks]
     assert untargeted and scales[untargeted].eq(0).all()
+    with pytest.raises(ValueError, match="needs 2 pages of 4 rank rows; 1 were reserved"):
+        layout.pack(read_adapter(spec).flat_parts(), pages[:1])
 
 
 def test_misaligned_tensors_read_by_copy(tmp_path):

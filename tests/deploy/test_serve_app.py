@@ -224,3 +224,69 @@ def test_scale_two_to_three_by_config_update_fails_nothing(cluster, manifest):
     assert results and all(code == 200 for code in results), [c for c in results if c != 200][:5]
     seen = {complete(cluster, name).headers["x-replica-id"] for name in names * 2}
     assert len(seen) >= 2
+
+
+def test_openai_surface_logprobs_echo_n_batch_prompts_and_refusals(cluster, oai, manifest):
+    """What evaluation harnesses and the openai client send (issue 11), over HTTP."""
+    # Multiple-choice scoring: echo the prompt with its logprobs, one token of completion (and none).
+    for max_tokens in (1, 0):
+        scored = oai.completions.create(model="pirate", prompt=PROMPT, echo=True, logprobs=1, max_tokens=max_tokens,
+                                        temperature=0)
+        choice = scored.choices[0]
+        assert choice.text.startswith(PROMPT) and choice.logprobs.token_logprobs[0] is None
+        assert len(choice.logprobs.tokens) == scored.usage.prompt_tokens + max_tokens
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    # n choices and batch prompts: index = prompt * n + j, each equal to the same request alone.
+    batch = oai.completions.create(model="robot", prompt=[PROMPT, "Hello!"], n=2, max_tokens=6, temperature=0.9,
+                                   seed=5)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    alone = oai.completions.create(model="robot", prompt="Hello!", max_tokens=6, temperature=0.9, seed=6)
+    assert batch.choices[3].text == alone.choices[0].text  # choice j uses seed + j
+    streamed = {}
+    for chunk in oai.completions.create(model="robot", prompt=[PROMPT, "Hello!"], n=2, max_tokens=6,
+                                        temperature=0.9, seed=5, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in batch.choices}
+    # Chat: logprobs with top_logprobs, text content parts, n.
+    chat = oai.chat.completions.create(model="pirate", n=2, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, messages=[{"role": "user", "content": [
+                                           {"type": "text", "text": "Who are you?"}]}])
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens // 2 and all(len(e.top_logprobs) == 2 for e in entries)
+    # Penalties and logit_bias change the decoding they are sent with.
+    eos_free = oai.completions.create(model="base", prompt=PROMPT, max_tokens=3, temperature=0,
+                                      logit_bias={"40": 100}, extra_body={"ignore_eos": True})
+    assert eos_free.usage.completion_tokens == 3 and eos_free.choices[0].text
+    # Refusals name the field.
+    for extra, field in (({"guided_json": {}}, "guided_json"), ({"suffix": "x"}, "suffix"),
+                         ({"best_of": 3}, "best_of")):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model="base", prompt="hi", max_tokens=2, extra_body=extra)
+        assert field in info.value.body["message"] and info.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        oai.chat.completions.create(model="base", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}])
+
+
+def test_engine_in_its_own_process_serves_the_same_text(cluster, oai, expected):
+    """engine_process=True (app/engine_process.py): a rolling update onto replicas whose engine loop runs in
+    a child process; the text is the engine-alone text, streamed or not, and the replicas report as before."""
+    before = set(cluster.replicas())
+    cluster.deploy(replicas=2, wait_replicas=False, engine_process=True)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        view = cluster.replicas()
+        if len(view) == 2 and not set(view) & before:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the engine-process replicas did not replace {sorted(before)}")
+    for model, text in expected.items():
+        assert oai.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text == text
+        streamed = "".join(c.choices[0].text for c in oai.completions.create(
+            model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+        assert streamed == text, model
+    assert all(r["invariants"] == "ok" and r["step_timing"]["decode"]["steps"] > 0 for r in cluster.replicas().values())

@@ -1,0 +1,44 @@
+"""What the router tells a replica: hint counts per adapter, incoming spreads, and where they come from."""
+
+import random
+
+from prefetch.hints import HintBook
+from prefetch.placement import ReplicaLoad, place
+
+
+def test_one_entry_per_waiting_request_consumed_by_arrivals():
+    book = HintBook(ttl_s=10.0)
+    book.add("a", 1.0)
+    book.add("b", 2.0)
+    book.add("a", 3.0)
+    assert book.demand() == ["a", "a", "b"]  # most recently hinted first, once per request
+    assert book.arrived("a") == 1.0  # the oldest hint: its lead time
+    assert book.demand() == ["a", "b"]
+    assert book.arrived("a") == 3.0 and book.arrived("a") is None and "a" not in book
+
+
+def test_hints_and_incoming_expire():
+    book = HintBook(ttl_s=10.0, incoming_ttl_s=2.0)
+    book.add("a", 0.0)
+    book.add("a", 9.0)
+    book.add_incoming("x", 0.0)
+    book.expire(5.0)
+    assert book.demand() == ["a", "a"] and book.incoming() == frozenset()
+    book.expire(15.0)
+    assert book.demand() == ["a"]
+    book.add_incoming("y", 15.0)
+    assert book.incoming() == {"y"}
+    book.arrived("y")  # the spread came: it now counts as a queued request, not an announcement
+    assert book.incoming() == frozenset()
+
+
+def test_a_request_waiting_at_a_saturated_holder_names_its_spread_target():
+    full = ReplicaLoad("h", ongoing=8, capacity=8, resident=frozenset({"a"}))
+    idle = ReplicaLoad("f", ongoing=1, capacity=8, free_slots=2)
+    rng = random.Random(0)
+    early = place("a", [full, idle], waited_s=0.0, spread_after_s=0.2, rng=rng)
+    assert (early.uid, early.must_wait, early.spread_to) == ("h", True, "f")
+    late = place("a", [full, idle], waited_s=0.5, spread_after_s=0.2, rng=rng)
+    assert (late.uid, late.outcome, late.spread_to) == ("f", "spread", None)
+    both_full = place("a", [full, ReplicaLoad("g", 8, 8)], waited_s=0.0, spread_after_s=0.2, rng=rng)
+    assert both_full.must_wait and both_full.spread_to is None

@@ -96,7 +96,7 @@ def model_shape(engine: LLMEngine) -> dict:
     return {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": c.num_attention_heads,
             "kv_heads": c.num_key_value_heads, "intermediate": c.intermediate_size, "vocab": c.vocab_size,
             "dtype": str(engine.dtype), "device": str(engine.device),
-            "slot_bytes": engine.residency.layout.nbytes(engine.dtype)}
+            "slot_bytes": engine.residency.layout.adapter_nbytes(engine.config.max_rank, engine.dtype)}
 
 
 def close_engine(engine: LLMEngine) -> None:

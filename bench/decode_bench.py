@@ -33,7 +33,7 @@ from app.model_runner import ModelRunner
 from app.scheduler import Chunk, StepPlan
 from app.targets import target_shapes
 from bench.common import timed_ms
-from prefetch.layout import SlotLayout
+from prefetch.layout import PageLayout
 
 
 
@@ -84,14 +84,15 @@ def build(args, dev):
     for p in model.parameters():
         p.data.normal_(0, 0.02)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    layout = SlotLayout(target_shapes(config), max_rank=args.rank)
+    layout = PageLayout(target_shapes(config), max_rank=args.rank)
     max_batch = max(args.batches)
-    lora = LoRASlots(model, layout, args.slots, t_cap=args.prefill_tokens + max_batch)
+    lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots, t_cap=args.prefill_tokens + max_batch)
     gen = torch.Generator(device=dev).manual_seed(1)
     for slot in range(args.slots):
-        flat = torch.randn(layout.numel, generator=gen, device=dev).mul_(0.01).to(torch.bfloat16)
-        lora.write_slot(slot, flat, torch.full((len(layout.modules),), 2.0))
-    adapter_bytes = layout.nbytes(torch.bfloat16)
+        pages = range(slot * layout.max_pages, (slot + 1) * layout.max_pages)
+        host = [torch.randn(layout.page_numel, generator=gen, device=dev).mul_(0.01).to(torch.bfloat16) for _ in pages]
+        lora.write_slot(slot, list(pages), host, torch.full((len(layout.modules),), 2.0), args.rank)
+    adapter_bytes = layout.adapter_nbytes(args.rank, torch.bfloat16)
     per_seq = -(-(max(args.context, 512) + 2) // 16)
     blocks = BlockManager(2 + per_seq * (max_batch + 8), 16)
     cache = PagedKVCache(config.num_hidden_layers, blocks.num_blocks, 16, 8, 128, torch.bfloat16, dev)

@@ -27,6 +27,7 @@ from bench.common import timed_ms
 TARGETS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
            "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}  # (in, out)
 LAYERS, RANK, SLOTS = 32, 16, 64
+PAGE_ROWS = 4  # the engine's default adapter_page_rows
 DTYPE = torch.bfloat16
 
 KC = KernelConfig
@@ -64,6 +65,8 @@ class Stack:
         self.weights, self.t_cap, self.s_cap = weights, t_cap, s_cap
         self.scales = torch.full((SLOTS,), 2.0, device="cuda")
         self.ranks = torch.full((SLOTS,), RANK, dtype=torch.int32, device="cuda")
+        # Each slot's weights as pages of PAGE_ROWS rank rows, slot s in pages s * RANK / PAGE_ROWS onwards.
+        self.page_table = torch.arange(SLOTS * RANK // PAGE_ROWS, dtype=torch.int32, device="cuda").view(SLOTS, -1)
         self.token_order = torch.zeros(t_cap, dtype=torch.int32, device="cuda")
         self.seg_starts = torch.zeros(s_cap + 1, dtype=torch.int32, device="cuda")
         self.seg_slots = torch.full((s_cap,), -1, dtype=torch.int32, device="cuda")
@@ -92,7 +95,9 @@ class Stack:
         meta = (self.token_order, self.seg_starts, self.seg_slots)
         for layer in self.weights:
             for name, (A, BT) in layer.items():
-                lora_apply(self.ys[name], self.xs[A.shape[2]], A, BT, self.scales, self.ranks, *meta, self.ws, config)
+                lora_apply(self.ys[name], self.xs[A.shape[2]], A.view(-1, PAGE_ROWS, A.shape[2]),
+                           BT.view(-1, PAGE_ROWS, BT.shape[2]), self.scales, self.ranks, self.page_table, *meta,
+                           self.ws, config)
 
     def capture(self, config: KernelConfig) -> None:
         self.graph = None

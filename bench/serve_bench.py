@@ -134,16 +134,21 @@ def launch(args, replicas: int, router: str) -> str:
     from ray import serve
 
     from app.demo import ensure_demo
+    from bench.adapter_pool import GPU_SIZE, prepare
     from deploy.app import make_app
     from deploy.args import AppArgs
 
-    demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
+    if args.size == GPU_SIZE:  # random 16 GB base built on the GPU and random rank-16 adapters
+        base, adapter_dir, _ = prepare(args.size, args.adapters)
+    else:
+        demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
+        base, adapter_dir = demo / "base", demo / "adapters"
     if not ray.is_initialized():
         ray.init()
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app_args = AppArgs(base_model=str(demo / "base"), adapter_roots=[str(demo / "adapters")], build_demo=False,
+    app_args = AppArgs(base_model=str(base), adapter_roots=[str(adapter_dir)], build_demo=False,
                        num_slots=args.slots, max_batch_size=args.batch, router=router, max_input_tokens=1024,
-                       max_total_tokens=args.batch * 2048)
+                       max_total_tokens=args.batch * 2048, **json.loads(getattr(args, "app_args", "{}")))
     serve.run(make_app(app_args, num_replicas=replicas), name="lora", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
     deadline = time.time() + 600
@@ -165,6 +170,9 @@ def main():
     parser.add_argument("--router", nargs="+", default=["adapter_affinity"])
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--adapters", type=int, default=32, help="random adapters for llama3-8b-shape")
+    parser.add_argument("--app-args", default="{}", help='more AppArgs as JSON, e.g. \'{"engine_process": true}\'')
+    parser.add_argument("--tag", default="", help="suffix of the result file's name")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workload", default="uniform", choices=["uniform", "zipf", "base"])
@@ -186,12 +194,17 @@ def main():
         results, elapsed = asyncio.run(run_load(url, models, args, np.random.default_rng(args.seed)))
         name = f"{replicas}rep-{router}" if args.launch else "external"
         runs[name] = summarize(results, elapsed)
+        # Where each replica's engine steps spent their time on the host, under this load (app/step_timing.py).
+        view = httpx.get(f"{url}/v1/debug/replicas", timeout=30).json()["replicas"]
+        runs[name]["step_timing"] = {uid: r.get("step_timing") for uid, r in
+                                     (view.items() if isinstance(view, dict) else enumerate(view))}
         print_table(name, runs[name])
     random.seed(args.seed)
     payload = {"workload": args.workload, "size": args.size, "num_requests": args.num_requests, "rate": args.rate,
                "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "seed": args.seed,
                "slots": args.slots, "batch": args.batch, "runs": runs}
-    print("wrote", write_result(f"serve-{args.workload}-{args.size}", payload))
+    payload["app_args"] = json.loads(args.app_args)
+    print("wrote", write_result(f"serve-{args.workload}-{args.size}{args.tag}", payload))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def main():
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--hang-up", action="store_true", help="close each stream at its first token")
+    parser.add_argument("--app-args", default="{}", help='more AppArgs as JSON, e.g. \'{"engine_process": true}\'')
     args = parser.parse_args()
     demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
     adapter = json.loads((demo / "demo.json").read_text())["adapters"][0]["name"]
@@ -72,20 +73,21 @@ def main():
     engine.shutdown()
     del engine
 
-    launch_args = argparse.Namespace(size=args.size, port=args.port, slots=4, batch=16)
+    launch_args = argparse.Namespace(size=args.size, port=args.port, slots=4, batch=16, app_args=args.app_args)
     url = launch(launch_args, replicas=1, router="adapter_affinity")
     with httpx.Client(timeout=60) as client:
         for _ in range(5):
             http_ttft(client, url, adapter, args.hang_up)
         served = [http_ttft(client, url, adapter, args.hang_up) for _ in range(args.requests)]
     result = {
-        "size": args.size, "requests": args.requests, "hang_up": args.hang_up,
+        "size": args.size, "requests": args.requests, "hang_up": args.hang_up, "app_args": json.loads(args.app_args),
         "engine_ttft_ms_p50": 1e3 * statistics.median(alone), "serve_ttft_ms_p50": 1e3 * statistics.median(served),
         "engine_ttft_ms_mean": 1e3 * statistics.fmean(alone), "serve_ttft_ms_mean": 1e3 * statistics.fmean(served),
     }
     result["serve_overhead_ms_p50"] = result["serve_ttft_ms_p50"] - result["engine_ttft_ms_p50"]
     print(result)
-    print("wrote", write_result(f"serve-overhead-{args.size}", result))
+    tag = "-engine-process" if result["app_args"].get("engine_process") else ""
+    print("wrote", write_result(f"serve-overhead-{args.size}{tag}", result))
 
 
 if __name__ == "__main__":

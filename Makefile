@@ -26,8 +26,10 @@ test: install
 test-gpu: install
 	$(BIN)/python -m pytest -q -rs -m gpu
 
+# Ray >= 2.60 puts new local clusters under token auth (token in ~/.ray/auth_token); naming the mode
+# keeps it so, and the CLI in another shell needs the same RAY_AUTH_MODE=token to send that token.
 serve: install
-	$(BIN)/serve run serve_config.yaml
+	RAY_AUTH_MODE=token $(BIN)/serve run serve_config.yaml
 
 bench: install
 	$(BIN)/python -m bench.engine_bench --quick

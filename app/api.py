@@ -48,10 +48,18 @@ class Generation:
     include_usage: bool
 
 
-class _Body(BaseModel):
+class _Strict(BaseModel):
     # Undeclared fields are kept so that check_supported can name them in its 400.
     model_config = ConfigDict(extra="allow")
 
+    def check_supported(self) -> None:
+        if self.model_extra:
+            name = sorted(self.model_extra)[0]
+            raise UnsupportedField(name, f"unknown field {name!r}: this server refuses fields it does not "
+                                         "implement rather than ignoring them")
+
+
+class _Body(_Strict):
     model: str = Field(description="An adapter name, or the base model's id.", max_length=256)
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT,
                                    description="Tokens to generate (0 only with echo).")
@@ -100,10 +108,7 @@ class _Body(BaseModel):
 
     def check_supported(self) -> None:
         """400 naming the first field that this server does not implement (see the module docstring)."""
-        if self.model_extra:
-            name = sorted(self.model_extra)[0]
-            raise UnsupportedField(name, f"unknown field {name!r}: this server refuses fields it does not "
-                                         "implement rather than ignoring them")
+        super().check_supported()
         for name, value in self.__dict__.items():
             reason = self._refused(name, value)
             if reason:
@@ -229,6 +234,11 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them (content parts joined)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT,
@@ -263,8 +273,7 @@ class ChatCompletionRequest(_Body):
         return None
 
     def conversation(self) -> list[dict]:
-        """The messages as the chat template takes them (content parts joined)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return conversation(self.messages)
 
     def generation(self, default_max_tokens: int) -> Generation:
         body = self.model_copy(update={"max_tokens": self.max_completion_tokens or self.max_tokens})
@@ -276,6 +285,58 @@ class ChatCompletionRequest(_Body):
 class AdapterRegistration(BaseModel):
     name: str = Field(description="Adapter name used as `model`.", max_length=128)
     path: str = Field(description="Folder under one of the configured adapter roots.", max_length=4096)
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter: the same registration as POST /v1/adapters, under vLLM's names."""
+
+    lora_name: str = Field(description="Adapter name used as `model`.", max_length=128)
+    lora_path: str = Field(description="Folder under one of the configured adapter roots.", max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter: DELETE /v1/adapters/{lora_name}."""
+
+    lora_name: str = Field(description="The adapter to unregister.", max_length=128)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a prompt, or messages through the chat template, as the generation routes do."""
+
+    model: str = Field(description="An adapter name, or the base model's id (they share the tokenizer).",
+                       max_length=256)
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, description="Text, as on completions.")
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=256,
+                                               description="Messages, as on chat completions.")
+    add_special_tokens: bool | None = Field(default=None, description="Default: true for prompt, false for "
+                                            "messages (the chat template holds BOS), as in vLLM.")
+    add_generation_prompt: bool = Field(default=True, description="messages only: end with the assistant's turn.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt):
+        return prompt if prompt is None else _utf8(prompt, "prompt")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("add_generation_prompt applies to messages only")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for message in self.messages or []:
+            message.check_supported()
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize."""
+
+    model: str = Field(description="An adapter name, or the base model's id.", max_length=256)
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_CHARS, description="Token ids: JSON integers (422 "
+                                  "otherwise) below the vocabulary size (400 otherwise).")
 
 
 def new_id(prefix: str) -> str:

@@ -13,7 +13,7 @@ from http import HTTPStatus
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -213,30 +213,49 @@ class Ingress:
             {"id": name, "object": "model", "created": created, "owned_by": "lora-serve", "root": path,
              "parent": self.model_id} for name, path in sorted(self.adapters.items())]}
 
-    @fastapi_app.post("/v1/adapters", status_code=201)
-    async def register(self, body: api.AdapterRegistration):
+    async def _register(self, name: str, path: str) -> dict:
         if not self.args.allow_adapter_registration:
             raise Forbidden("adapter registration is disabled (allow_adapter_registration: false)")
-        validate_adapter_id(body.name)
-        if body.name == self.model_id:
-            raise InvalidRequest(f"{body.name!r} is the base model's name")
+        validate_adapter_id(name)
+        if name == self.model_id:
+            raise InvalidRequest(f"{name!r} is the base model's name")
         await self._refresh_adapters()
-        if body.name in self.adapters:
-            raise AdapterAlreadyExists(f"adapter {body.name!r} is already registered; DELETE it first")
-        spec = await asyncio.to_thread(self.validator.validate, body.name, body.path)
-        await self._call_state("register", body.name, str(spec.path))
-        self.adapters[body.name] = str(spec.path)
-        return {"id": body.name, "object": "model", "root": str(spec.path), "parent": self.model_id,
+        if name in self.adapters:
+            raise AdapterAlreadyExists(f"adapter {name!r} is already registered; unload it first")
+        spec = await asyncio.to_thread(self.validator.validate, name, path)
+        await self._call_state("register", name, str(spec.path))
+        self.adapters[name] = str(spec.path)
+        return {"id": name, "object": "model", "root": str(spec.path), "parent": self.model_id,
                 "rank": spec.rank, "target_modules": sorted(spec.target_modules)}
 
-    @fastapi_app.delete("/v1/adapters/{name}")
-    async def unregister(self, name: str):
+    async def _unregister(self, name: str) -> None:
         if not self.args.allow_adapter_registration:
             raise Forbidden("adapter registration is disabled (allow_adapter_registration: false)")
         if not await self._call_state("unregister", name):
             raise AdapterNotFound(f"adapter {name!r} is not registered")
         self.adapters.pop(name, None)
+
+    @fastapi_app.post("/v1/adapters", status_code=201)
+    async def register(self, body: api.AdapterRegistration):
+        return await self._register(body.name, body.path)
+
+    @fastapi_app.delete("/v1/adapters/{name}")
+    async def unregister(self, name: str):
+        await self._unregister(name)
         return {"id": name, "object": "model", "deleted": True}
+
+    # vLLM's runtime routes, which cluster LoRA controllers call; success is vLLM's plain-text message.
+    @fastapi_app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(self, body: api.LoadLoRAAdapterRequest):
+        body.check_supported()
+        await self._register(body.lora_name, body.lora_path)
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @fastapi_app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(self, body: api.UnloadLoRAAdapterRequest):
+        body.check_supported()
+        await self._unregister(body.lora_name)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     @fastapi_app.get("/v1/debug/replicas")
     async def debug_replicas(self):
@@ -250,17 +269,44 @@ class Ingress:
         body.check_supported()
         prompts = body.prompts()
         for prompt in prompts:
-            if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
-                raise InvalidRequest(f"token id {max(prompt)} is outside the vocabulary ({self.vocab_size} tokens)")
+            if isinstance(prompt, list):
+                self._check_vocabulary(prompt)
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
         return await self._generate(body, prompts, chat=False, echo=echo)
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: api.ChatCompletionRequest):
         body.check_supported()
-        text = self.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=False)
-        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds BOS
-        return await self._generate(body, [prompt], chat=True)
+        return await self._generate(body, [self._chat_prompt(body.conversation())], chat=True)
+
+    def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]  # the template holds BOS
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        if token_ids and max(token_ids) >= self.vocab_size:
+            raise InvalidRequest(f"token id {max(token_ids)} is outside the vocabulary ({self.vocab_size} tokens)")
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, body: api.TokenizeRequest):
+        """vLLM's route; max_model_len is the longest prompt accepted (max_input_tokens)."""
+        body.check_supported()
+        await self._resolve_model(body.model)
+        if body.messages is None:
+            tokens = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
+        else:
+            tokens = self._chat_prompt(api.conversation(body.messages), body.add_generation_prompt,
+                                       bool(body.add_special_tokens))
+        return {"count": len(tokens), "max_model_len": self.args.max_input_tokens, "tokens": tokens}
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, body: api.DetokenizeRequest):
+        body.check_supported()
+        await self._resolve_model(body.model)
+        self._check_vocabulary(body.tokens)
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def _generate(self, body, prompts, chat: bool, echo=None):
         if self.in_flight >= self.args.max_pending_requests:

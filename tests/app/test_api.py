@@ -8,7 +8,8 @@ field, and any undeclared one, must raise UnsupportedField naming it.
 import pytest
 from pydantic import ValidationError
 
-from app.api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from app.api import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                     LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from app.errors import UnsupportedField
 
 COMMON_IMPLEMENTED = {
@@ -132,3 +133,25 @@ def test_chat_max_completion_tokens_wins_and_seeds_follow_choices():
                                  max_completion_tokens=7, logprobs=True, top_logprobs=2)
     generation = body.generation(16)
     assert generation.params.max_tokens == 7 and generation.params.logprobs == 2 == generation.logprobs
+
+
+@pytest.mark.parametrize("schema,minimal,name", [
+    (LoadLoRAAdapterRequest, {"lora_name": "a", "lora_path": "/p"}, "load_inplace"),
+    (UnloadLoRAAdapterRequest, {"lora_name": "a"}, "lora_int_id"),
+    (TokenizeRequest, {"model": "base", "prompt": "hi"}, "return_token_strs"),
+    (TokenizeRequest, {"model": "base", "messages": [{"role": "user", "content": "hi"}]}, "chat_template"),
+    (DetokenizeRequest, {"model": "base", "tokens": [1]}, "skip_special_tokens"),
+])
+def test_vllm_route_bodies_refuse_undeclared_fields_by_name(schema, minimal, name):
+    schema(**minimal).check_supported()
+    with pytest.raises(UnsupportedField, match=repr(name)):
+        schema(**{**minimal, name: None}).check_supported()
+
+
+def test_tokenize_takes_exactly_one_input():
+    for body in [{}, {"prompt": "a", "messages": [{"role": "user", "content": "hi"}]},
+                 {"prompt": "a", "add_generation_prompt": True}]:
+        with pytest.raises(ValidationError):
+            TokenizeRequest(model="base", **body)
+    with pytest.raises(UnsupportedField, match="image_url"):
+        TokenizeRequest(model="base", messages=[{"role": "user", "content": [{"type": "image_url"}]}]).check_supported()

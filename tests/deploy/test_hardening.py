@@ -446,6 +446,8 @@ def locked(cluster):
 
 ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
           ("GET", "/v1/debug/replicas"), ("POST", "/v1/adapters"), ("DELETE", "/v1/adapters/pirate"),
+          ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/tokenize"),
+          ("POST", "/detokenize"),
           ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/v1/no-such-route")]
 WRONG_AUTH = [None, "", "Bearer", "Bearer wrong-key", f"Bearer {KEY}x", f"Basic {KEY}", KEY,
               f"Bearer  {KEY} extra"]
@@ -461,6 +463,8 @@ def test_every_route_but_health_needs_the_key(cluster, locked):
                 assert assert_openai_error(response)["code"] == "invalid_api_key"
         assert client.get("/health").json() == {"status": "ok"}
         assert client.get("/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200
+        tokens = client.post("/tokenize", headers=locked, json={"model": "pirate", "prompt": PROMPT}).json()["tokens"]
+        assert PROMPT in client.post("/detokenize", headers=locked, json={"model": "base", "tokens": tokens}).text
     assert_healthy(cluster, headers=locked)
 
 
@@ -485,6 +489,11 @@ def test_adapter_registration_switched_off_is_403(cluster, locked, demo_dir):
     deleted = httpx.delete(f"{cluster.url}/v1/adapters/pirate", headers=locked, timeout=30)
     assert deleted.status_code == 403, deleted.text
     assert assert_openai_error(deleted)["code"] == "adapter_registration_disabled"
+    for route, body in [("load_lora_adapter", {"lora_name": "late", "lora_path": f"{demo_dir}/adapters/pirate"}),
+                        ("unload_lora_adapter", {"lora_name": "pirate"})]:
+        refused = httpx.post(f"{cluster.url}/v1/{route}", headers=locked, timeout=30, json=body)
+        assert refused.status_code == 403, refused.text
+        assert assert_openai_error(refused)["code"] == "adapter_registration_disabled"
     served = httpx.post(f"{cluster.url}/v1/completions", headers=locked, timeout=60,
                         json={"model": "pirate", "prompt": PROMPT, "max_tokens": 4})
     assert served.status_code == 200, served.text

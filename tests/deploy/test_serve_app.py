@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import ray
+from transformers import AutoTokenizer
 
 from app.config import EngineConfig
 from app.engine import LLMEngine
@@ -208,6 +209,68 @@ def test_register_and_unregister_adapter_over_http(cluster, manifest, demo_dir):
     assert outside.status_code == 400 and outside.json()["error"]["code"] == "adapter_path_outside_roots"
     assert httpx.delete(f"{cluster.url}/v1/adapters/dynamic-one").status_code == 200
     assert complete(cluster, "dynamic-one").status_code == 404
+
+
+def test_vllm_adapter_routes_load_and_unload(cluster, manifest, demo_dir):
+    path = f"{demo_dir}/{manifest['adapters'][1]['path']}"
+
+    def post(route, **body):
+        return httpx.post(f"{cluster.url}/v1/{route}", json=body, timeout=60)
+
+    loaded = post("load_lora_adapter", lora_name="vllm-one", lora_path=path)
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'vllm-one' added successfully."
+    assert complete(cluster, "vllm-one").status_code == 200
+    for body, status, code in [({"lora_name": "vllm-one", "lora_path": path}, 409, "adapter_exists"),
+                               ({"lora_name": "evil", "lora_path": "/etc"}, 400, "adapter_path_outside_roots"),
+                               ({"lora_name": "a/b", "lora_path": path}, 400, None),
+                               ({"lora_name": "x", "lora_path": path, "load_inplace": True}, 400,
+                                "unsupported_parameter")]:
+        refused = post("load_lora_adapter", **body)
+        assert refused.status_code == status and (code is None or refused.json()["error"]["code"] == code), body
+    unloaded = post("unload_lora_adapter", lora_name="vllm-one")
+    assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'vllm-one' removed successfully."
+    assert complete(cluster, "vllm-one").status_code == 404
+    gone = post("unload_lora_adapter", lora_name="vllm-one")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "adapter_not_found"
+
+
+def test_tokenize_and_detokenize_use_the_generation_routes_tokenization(cluster, oai, manifest):
+    tokenizer = AutoTokenizer.from_pretrained(f"{cluster.demo_dir}/base")
+    robot = manifest["adapters"][0]["name"]
+
+    def post(route, **body):
+        return httpx.post(f"{cluster.url}/{route}", json=body, timeout=60)
+
+    text = post("tokenize", model="base", prompt=PROMPT).json()
+    usage = oai.completions.create(model="base", prompt=PROMPT, max_tokens=1).usage
+    assert text["tokens"] == tokenizer(PROMPT)["input_ids"] and text["count"] == usage.prompt_tokens
+    assert text["max_model_len"] == 256  # the fixture's max_input_tokens
+    assert post("tokenize", model="base", prompt=PROMPT, add_special_tokens=False).json()["tokens"] == \
+        tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert post("detokenize", model=robot, tokens=text["tokens"]).json() == {"prompt": tokenizer.decode(text["tokens"])}
+    assert PROMPT in tokenizer.decode(text["tokens"])
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Who are you?"}]}]
+    chat = post("tokenize", model=robot, messages=messages).json()
+    usage = oai.chat.completions.create(model=robot, messages=messages, max_tokens=1).usage
+    assert chat["count"] == len(chat["tokens"]) == usage.prompt_tokens
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(template, add_special_tokens=False)["input_ids"]
+    assert post("detokenize", model="base", tokens=chat["tokens"]).json()["prompt"] == template
+    vocab = len(tokenizer)
+    for route, body, status in [
+        ("detokenize", {"tokens": [1, 10**6]}, 400), ("detokenize", {"tokens": [True]}, 422),
+        ("detokenize", {"tokens": [1.0]}, 422), ("detokenize", {"tokens": [-1]}, 422),
+        ("detokenize", {"tokens": ["1"]}, 422), ("detokenize", {"tokens": [1], "skip": True}, 400),
+        ("tokenize", {"prompt": "a", "messages": messages}, 422), ("tokenize", {}, 422),
+        ("tokenize", {"prompt": "a", "add_generation_prompt": False}, 422),
+        ("tokenize", {"prompt": "a", "return_token_strs": True}, 400),
+        ("tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ]:
+        refused = post(route, model="base", **body)
+        assert refused.status_code == status, (route, body, refused.text)
+    assert post("detokenize", model="base", tokens=[vocab - 1]).status_code == 200
+    assert post("tokenize", model="no-such-adapter", prompt="a").status_code == 404
 
 
 def test_scale_two_to_three_by_config_update_fails_nothing(cluster, manifest):

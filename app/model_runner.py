@@ -21,6 +21,7 @@ import torch
 from app import attention as attention_module
 from app.attention import AttentionMetadata, AttentionState, PagedKVCache, install, kernel_supports
 from app.kernels import attention as attention_kernels
+from app.kernels import lora as lora_kernels
 from app.kv_blocks import BlockManager
 from app.lora import LoRAMetadata, LoRASlots, segments
 from app.scheduler import StepPlan
@@ -88,6 +89,8 @@ class ModelRunner:
                 self._decoder = torch.compile(model.model, dynamic=True)
                 self.compiled = True
             self._capture_all()
+        if self.device.type == "cuda":
+            self._warm_eager()
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -136,7 +139,9 @@ class ModelRunner:
         t = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=dev)  # noqa: E731
         decode_tables = None
         if nd:
-            decode_tables = torch.zeros(nd, max(len(x) for x in inputs.decode_tables), dtype=torch.int32)
+            # Full width, as in the graphs: Triton specializes the decode kernel on the table's width and
+            # stride, so a width that followed the longest row would compile new variants mid-serving.
+            decode_tables = torch.zeros(nd, self.max_blocks, dtype=torch.int32)
             for i, table in enumerate(inputs.decode_tables):
                 decode_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
             decode_tables = decode_tables.to(dev)
@@ -157,6 +162,32 @@ class ModelRunner:
         finally:
             self.attention.meta, self.lora.ctx.meta = None, None
         return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def _warm_eager(self) -> None:
+        """Eager steps at start-up, on the scratch block 0 and slot 0, that make Triton compile every variant
+        an eager step can need: the LoRA kernels' two tile configs (decode- and prefill-sized steps) and
+        the decode attention at each split count the batch size can give. Compiled in the first requests'
+        steps instead, they made those steps take 0.6-1.9 s on the H100."""
+        start, bs = time.perf_counter(), self.block_size
+        steps = [(2, 8), (2, lora_kernels.DECODE_T_MAX + 8)]  # (decode rows, prefill tokens)
+        if self.use_kernel:
+            kv_heads = self.model.config.num_key_value_heads
+            by_splits = {attention_kernels.num_kv_splits(b, kv_heads, self.max_blocks, bs, self.device): b
+                         for b in range(1, self.max_batch_size + 1)}
+            steps += [(b, 0) for b in by_splits.values()]
+        for rows, length in steps:
+            positions = [0] * rows + list(range(length))
+            inputs = StepInputs(input_ids=[0] * len(positions), positions=positions,
+                                slot_mapping=[p % bs for p in positions], token_slots=[0] * len(positions),
+                                num_decode=rows, decode_tables=[[0]] * rows, decode_lens=[1] * rows,
+                                prefill_tables=[[0] * -(-length // bs)] if length else [],
+                                prefill_query_starts=[0, length] if length else [0],
+                                prefill_lens=[length] if length else [], logits_index=[len(positions) - 1])
+            self.model.lm_head(self._forward_eager(inputs)[-1:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        log.info("warmed the eager path (%d steps) in %.1f s", len(steps), time.perf_counter() - start)
 
     def _set_varlen(self, inputs: StepInputs) -> None:
         """The cache rows of every prefill chunk's whole context, packed, for one varlen flash call per layer."""

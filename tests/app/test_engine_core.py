@@ -89,3 +89,20 @@ def test_packed_varlen_prefill_equals_per_sequence(make_engine, manifest, adapte
     engine.runner.use_varlen = True
     assert generate(engine, work) == whole
     assert calls, "the packed path never ran"
+
+
+def test_start_up_warm_step_touches_only_scratch(make_engine, manifest, adapter_names):
+    """The runner's start-up eager step (CUDA runs it to compile the LoRA kernels' configs) writes only the
+    scratch block and reads slot 0: requests before and after it, and around it mid-flight, are unchanged."""
+    work = jobs(manifest, adapter_names, 6)
+    engine = make_engine(num_slots=8)
+    before = generate(engine, work)
+    requests = [engine.add_request(p, a, greedy(10, ignore_eos=True)) for p, a in work]
+    tokens = {}
+    for _ in range(3):
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    engine.runner._warm_eager()
+    for request_id, more in run_all(engine, check=True).items():
+        tokens.setdefault(request_id, []).extend(more)
+    assert [tokens[r.request_id] for r in requests] == before

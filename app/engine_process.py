@@ -91,7 +91,7 @@ class EngineProcess(EngineStreams):
             self._process.kill()
 
     async def _submit(self, prompt, adapter_id, params, request_id) -> None:
-        await self.call(_AddRequest(prompt, adapter_id, params, request_id))
+        await self.call(DiscardResult(methodcaller("add_request", prompt, adapter_id, params, request_id)))
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -161,16 +161,6 @@ class DiscardResult:
 
     def __call__(self, engine) -> None:
         self.fn(engine)
-
-
-class _AddRequest:
-    """Picklable `lambda e: e.add_request(...)` that sends nothing heavy back."""
-
-    def __init__(self, prompt, adapter_id, params, request_id):
-        self.args = (prompt, adapter_id, params, request_id)
-
-    def __call__(self, engine) -> None:
-        engine.add_request(*self.args)
 
 
 # --- the child --------------------------------------------------------------------------------------

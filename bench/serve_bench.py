@@ -148,7 +148,7 @@ def launch(args, replicas: int, router: str) -> str:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     app_args = AppArgs(base_model=str(base), adapter_roots=[str(adapter_dir)], build_demo=False,
                        num_slots=args.slots, max_batch_size=args.batch, router=router, max_input_tokens=1024,
-                       max_total_tokens=args.batch * 2048, **json.loads(getattr(args, "app_args", "{}")))
+                       max_total_tokens=args.batch * 2048, **json.loads(args.app_args))
     serve.run(make_app(app_args, num_replicas=replicas), name="lora", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
     deadline = time.time() + 600

@@ -29,3 +29,12 @@ def run_all(engine, check=False, on_step=None) -> dict[str, list[int]]:
 
 def greedy(max_tokens=12, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def tokens_alone(engine, prompt, adapters, max_tokens=12) -> dict:
+    """adapter -> greedy tokens of `prompt` run alone on a synchronous engine (the streaming tests' reference)."""
+    expected = {}
+    for adapter in adapters:
+        request = engine.add_request(prompt, adapter, greedy(max_tokens))
+        expected[adapter] = run_all(engine)[request.request_id]
+    return expected

@@ -8,7 +8,7 @@ import pytest
 from app.async_engine import AsyncEngine
 from app.errors import AdapterInUse, AdapterLoadFailed, AdapterNotFound, InvalidRequest, PromptTooLong
 from app.sampling import SamplingParams
-from engine_helpers import greedy, run_all
+from engine_helpers import greedy, run_all, tokens_alone
 
 
 @pytest.fixture
@@ -37,10 +37,7 @@ async def collect(engine, prompt, adapter, params):
 def test_stream_equals_sync_engine(async_engine, make_engine, manifest, adapter_names):
     prompt = manifest["prompts"][0]
     sync = make_engine()
-    expected = {}
-    for adapter in adapter_names[:3] + [None]:
-        request = sync.add_request(prompt, adapter, greedy(12))
-        expected[adapter] = run_all(sync)[request.request_id]
+    expected = tokens_alone(sync, prompt, adapter_names[:3] + [None])
     engine = async_engine()
 
     async def main():

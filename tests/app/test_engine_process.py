@@ -10,7 +10,7 @@ import pytest
 
 from app.engine_process import DiscardResult, EngineProcess
 from app.errors import AdapterNotFound, EngineUnavailable, InternalError, InvalidRequest
-from engine_helpers import engine_config, greedy, run_all
+from engine_helpers import engine_config, greedy, tokens_alone
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,7 @@ async def collect(engine, prompt, adapter, params):
 def test_streams_equal_the_engine_in_process(process_engine, make_engine, manifest, adapter_names):
     prompt = manifest["prompts"][0]
     sync = make_engine()
-    expected = {}
-    for adapter in adapter_names[:3] + [None]:
-        request = sync.add_request(prompt, adapter, greedy(12))
-        expected[adapter] = run_all(sync)[request.request_id]
+    expected = tokens_alone(sync, prompt, adapter_names[:3] + [None])
 
     async def main():
         return await asyncio.gather(*(collect(process_engine, prompt, a, greedy(12)) for a in expected))

@@ -74,7 +74,7 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter pool: %d pages, up to %d adapters (%.2f GB); "
                  "decode graphs: %s", self.blocks.num_blocks, config.block_size,
                  cache.k.numel() * cache.k.element_size() * 2 / 1e9, num_pages, num_slots, self.lora.nbytes() / 1e9,
-                 sorted(self.runner.graphs) or "none")
+                 self.runner.graph_batches or "none")
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
@@ -407,7 +407,7 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks - 1,
             "kv_blocks_free": self.blocks.free_count(),
             "preemptions": self.scheduler.preemptions,
-            "decode_graphs": sorted(self.runner.graphs),
+            "decode_graphs": self.runner.graph_batches,
             "graph_capture_seconds": round(self.runner.capture_seconds, 2),
             "step_timing": self.timing.summary(),
             "hint_lead_seconds": self.hint_lead.as_dict(),

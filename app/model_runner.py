@@ -52,10 +52,11 @@ class StepInputs:
 
 
 class DecodeGraph:
-    """One captured decode step for `batch` rows; it reads the runner's static buffers, writes `logits`."""
+    """One captured decode step for `batch` rows; it reads the runner's static buffers, writes `logits`.
+    A `lora` graph runs the LoRA kernels; the other, for steps whose rows all use the base model, skips them."""
 
-    def __init__(self, batch: int):
-        self.batch = batch
+    def __init__(self, batch: int, lora: bool):
+        self.batch, self.lora = batch, lora
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
@@ -77,7 +78,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_batch_size = max_batch_size
-        self.graphs: dict[int, DecodeGraph] = {}
+        self.graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (batch, lora) -> graph
         self.capture_seconds = 0.0
         # The decode graphs replay what this callable launches at capture: transformers' decoder eagerly,
         # or compiled by torch.compile, whose inductor fuses the elementwise work between the GEMMs
@@ -212,10 +213,15 @@ class ModelRunner:
 
     # --- CUDA graphs ----------------------------------------------------------------------------
 
+    @property
+    def graph_batches(self) -> list[int]:
+        return sorted({batch for batch, _ in self.graphs})
+
     def _graph_for(self, inputs: StepInputs) -> DecodeGraph | None:
-        for batch in sorted(self.graphs):
-            if batch >= inputs.num_decode:
-                return self.graphs[batch]
+        lora = any(slot >= 0 for slot in inputs.token_slots)
+        for batch, with_lora in sorted(self.graphs):
+            if batch >= inputs.num_decode and with_lora == lora:
+                return self.graphs[batch, lora]
         return None
 
     def _allocate_static(self) -> None:
@@ -259,10 +265,11 @@ class ModelRunner:
     def _capture_all(self) -> None:
         start = time.perf_counter()
         self._allocate_static()
+        self.lora.ctx.overlap = True
         pool = None
-        for batch in reversed(buckets_up_to(self.max_batch_size)):
-            graph = DecodeGraph(batch)
-            self._bind_static(batch)
+        for batch, lora in [(b, lora) for b in reversed(buckets_up_to(self.max_batch_size)) for lora in (True, False)]:
+            graph = DecodeGraph(batch, lora)
+            self._bind_static(batch, lora)
             with torch.inference_mode():
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -272,14 +279,15 @@ class ModelRunner:
                 with torch.cuda.graph(graph.graph, pool=pool):
                     graph.logits = self._static_forward(batch)
             pool = graph.graph.pool()
-            self.graphs[batch] = graph
-        self.attention.meta, self.lora.ctx.meta = None, None
+            self.graphs[batch, lora] = graph
+        self.attention.meta, self.lora.ctx.meta, self.lora.ctx.overlap = None, None, False
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs (batch %s%s) in %.1f s", len(self.graphs), sorted(self.graphs),
-                 ", torch.compile" if self.compiled else "", self.capture_seconds)
+        log.info("captured %d decode graphs (batch %s, with and without LoRA%s) in %.1f s", len(self.graphs),
+                 sorted({batch for batch, _ in self.graphs}), ", torch.compile" if self.compiled else "",
+                 self.capture_seconds)
 
-    def _bind_static(self, batch: int) -> None:
+    def _bind_static(self, batch: int, lora: bool) -> None:
         config = self.model.config
         q = torch.empty(batch, config.num_attention_heads, self.head_dim, device=self.device)
         workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, self.static_tables[:batch],
@@ -290,7 +298,7 @@ class ModelRunner:
             decode_workspace=workspace, prefill_blocks=[], prefill_query_starts=[0], prefill_context_lens=[],
             use_kernel=True)
         self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:batch + 1],
-                                          self.static_slots[:batch])
+                                          self.static_slots[:batch]) if lora else None
 
     def _static_forward(self, batch: int) -> torch.Tensor:
         out = self._decoder(input_ids=self.static_ids[None, :batch],

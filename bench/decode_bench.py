@@ -21,12 +21,13 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from app.attention import PagedKVCache
+from app.kernels import lora as lora_kernels
 from app.kv_blocks import BlockManager
 from app.lora import LoRASlots
 from app.model_runner import ModelRunner
@@ -116,10 +117,13 @@ def main():
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
+    parser.add_argument("--lora-block-m", type=int, help="tokens per tile of the LoRA kernels' decode config")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
     lines = []
+    if args.lora_block_m:
+        lora_kernels.DECODE = replace(lora_kernels.DECODE, block_m=args.lora_block_m)
 
     def emit(**kw):
         print(json.dumps(kw), flush=True)
@@ -137,7 +141,7 @@ def main():
     floor_ms = weight_bytes / read_gbs / 1e6
     emit(variant="floor", weights_gb=round(weight_bytes / 1e9, 2), hbm_read_gbs=round(read_gbs), floor_ms=round(floor_ms, 3),
          gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1), graph_capture_s=round(capture_s, 1),
-         buckets=sorted(runner.graphs), compiled=runner.compiled, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+         buckets=runner.graph_batches, compiled=runner.compiled, lora_decode_block_m=lora_kernels.DECODE.block_m, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 
     # Prefill: 8 prompts x 512 tokens, one step, 8 distinct adapters
     n_prompts = args.prefill_tokens // 512

@@ -24,11 +24,15 @@ the engine).
 
 x is [T, in], y is [T, out] (same dtype: bf16, fp16 or fp32), y is updated in place, sums run in fp32.
 
+A `Group` runs that loop for up to three target linears that read the same x and write column ranges of
+one y (q, k and v over their fused GEMM's output; gate and up): one shrink and one expand launch for all
+of them, each program picking its member from its grid index. scales are then [n_modules, num_slots].
+
 On CUDA, `lora_shrink` writes split-K partials of x @ A[s].T into a preallocated fp32 workspace
-[splits, T_cap, max(16, max_rank)] (no atomics, no memset), on a grid (segment, K split, M program);
-`lora_expand` sums the partials as it loads them and adds scale * xa @ BT[s] into y, on a grid
-(segment, out tile, M program). Each program gathers its A (or BT) rows through the page table once (the
-page-table load goes out with the rank load, so paging adds no step to the chain of dependent loads)
+[members x splits, T_cap, max(16, max_rank)] (no atomics, no memset), on a grid (segment, member x K split,
+M program); `lora_expand` sums the partials as it loads them and adds scale * xa @ BT[s] into y, on a grid
+(segment, out tile of any member, M program). Each program gathers its A (or BT) rows through the page
+table once (the page-table load goes out with the rank load, so paging adds no step to the chain of loads)
 and loops over its M tiles of the segment (all of them in decode, where there is one M program; prefill
 strides them over a few programs that share the tile through L2), so the bytes read grow with the
 distinct adapters in the batch and their ranks, not with num_slots. Grids depend on static shapes only
@@ -137,19 +141,60 @@ def shrink_splits(in_features: int, block_r: int, elsize: int, config: KernelCon
     return -(-in_features // shrink_tiles(in_features, block_r, elsize, config)[1])
 
 
+MAX_MEMBERS = 3  # q, k and v
+
+
+@dataclass(frozen=True)
+class Group:
+    """Target linears that read the same x and write column ranges of one y, as one shrink and one expand
+    launch: q, k and v (or gate and up) over their fused GEMM's output, or one linear alone. Their A and BT
+    are views of the same page pool (prefetch/layout.py), so a member is its offset from the first one."""
+
+    A: tuple[torch.Tensor, ...]  # per member [num_pages, P, in]: the same shape and strides
+    BT: tuple[torch.Tensor, ...]  # per member [num_pages, P, out_g]: the same page stride
+    modules: tuple[int, ...]  # each member's row of the scales [n_modules, num_slots]
+    columns: tuple[int, ...]  # each member's first column in y
+
+    def __post_init__(self):
+        n = len(self.A)
+        if not 1 <= n <= MAX_MEMBERS or not len(self.BT) == len(self.modules) == len(self.columns) == n:
+            raise ValueError(f"a group has 1 to {MAX_MEMBERS} members with A, BT, module and column each, got "
+                             f"{len(self.A)}, {len(self.BT)}, {len(self.modules)}, {len(self.columns)}")
+        a0, b0 = self.A[0], self.BT[0]
+        for a, bt in zip(self.A, self.BT):
+            if (a.shape, a.stride()) != (a0.shape, a0.stride()) or bt.shape[:2] != b0.shape[:2] \
+                    or bt.stride()[::2] != (b0.stride(0), 1) or a.dtype != a0.dtype or bt.dtype != a0.dtype:
+                raise ValueError("a group's members need A views of one shape and strides and BT views of one "
+                                 "page stride, in one dtype")
+            if a.untyped_storage().data_ptr() != a0.untyped_storage().data_ptr() or \
+                    bt.untyped_storage().data_ptr() != b0.untyped_storage().data_ptr():
+                raise ValueError("a group's members must be views of one page pool")
+
+    @classmethod
+    def single(cls, A: torch.Tensor, BT: torch.Tensor, module: int = 0) -> Group:
+        return cls((A,), (BT,), (module,), (0,))
+
+    def offsets(self, views) -> list[int]:
+        """Each member's element offset from the first member's view."""
+        first = views[0]
+        return [(v.data_ptr() - first.data_ptr()) // v.element_size() for v in views]
+
+
 @dataclass(frozen=True)
 class LoRAWorkspace:
-    """Split-K partials of x @ A.T, allocated once and shared by every layer (and bucket) of a forward."""
+    """Split-K partials of x @ A.T for each member of a group, allocated once and shared by every layer (and
+    bucket) of a forward."""
 
-    xa: torch.Tensor  # [max_splits, t_cap, max(16, max_rank)] float32
+    xa: torch.Tensor  # [MAX_MEMBERS * max_splits, t_cap, max(16, max_rank)] float32
 
     @classmethod
     def allocate(cls, t_cap: int, max_rank: int, in_features: Sequence[int], device,
-                 configs: Sequence[KernelConfig] = (DECODE, PREFILL)) -> LoRAWorkspace:
-        """Sized for buckets of up to t_cap tokens, every target's in_features, any dtype, under `configs`."""
+                 configs: Sequence[KernelConfig] = (DECODE, PREFILL), members: int = MAX_MEMBERS) -> LoRAWorkspace:
+        """Sized for buckets of up to t_cap tokens, every target's in_features, any dtype, under `configs`,
+        and groups of up to `members` linears."""
         block_r = _block_r(max_rank)
         splits = max(shrink_splits(k, block_r, elsize, c) for k in in_features for c in configs for elsize in (2, 4))
-        return cls(torch.empty(splits, t_cap, block_r, dtype=torch.float32, device=device))
+        return cls(torch.empty(members * splits, t_cap, block_r, dtype=torch.float32, device=device))
 
 
 def _max_rows(weights, page_table) -> int:
@@ -157,97 +202,142 @@ def _max_rows(weights, page_table) -> int:
     return page_table.shape[1] * weights.shape[1]
 
 
-def _check(x_or_y, weights, page_table, token_order, workspace, splits):
+def _check(x_or_y, weights, page_table, token_order, workspace, rows_needed):
     if token_order.dtype != torch.int32 or page_table.dtype != torch.int32:
         raise ValueError(f"metadata must be int32, got token_order {token_order.dtype}, page_table {page_table.dtype}")
     if x_or_y.dtype != weights.dtype:
         raise ValueError(f"activation dtype {x_or_y.dtype} != weight dtype {weights.dtype}")
     if x_or_y.stride(-1) != 1 or weights.stride(-1) != 1 or page_table.stride(-1) != 1:
         raise ValueError("activations, weights and the page table need a contiguous last dimension")
-    ws_splits, ws_t, ws_rank = workspace.xa.shape
+    ws_rows, ws_t, ws_rank = workspace.xa.shape
     block_r = _block_r(_max_rows(weights, page_table))
-    if splits > ws_splits or token_order.numel() > ws_t or block_r > ws_rank:
-        raise ValueError(f"workspace [splits {ws_splits}, t_cap {ws_t}, rank tile {ws_rank}] is smaller than "
-                         f"this call's [splits {splits}, t_cap {token_order.numel()}, rank tile {block_r}]")
+    if rows_needed > ws_rows or token_order.numel() > ws_t or block_r > ws_rank:
+        raise ValueError(f"workspace [members x splits {ws_rows}, t_cap {ws_t}, rank tile {ws_rank}] is smaller "
+                         f"than this call's [{rows_needed}, t_cap {token_order.numel()}, rank tile {block_r}]")
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 tests expect fp32 sums; bf16/fp16 ignore it
 
 
-def lora_shrink(x, A, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace: LoRAWorkspace,
-                config: KernelConfig | None = None) -> int:
-    """workspace.xa[j, p] = x[token_order[p]] @ rows(A, s)[:, K-split j].T for every position p of an
-    adapter segment. Returns the split count, which `lora_expand` must be given."""
+def _pad3(values: Sequence[int], fill: int = 0) -> list[int]:
+    return list(values) + [fill] * (MAX_MEMBERS - len(values))
+
+
+def lora_shrink(x, group: Group, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+                workspace: LoRAWorkspace, config: KernelConfig | None = None) -> int:
+    """workspace.xa[g * splits + j, p] = x[token_order[p]] @ rows(A_g, s)[:, K-split j].T for every member g
+    and every position p of an adapter segment. Returns the split count, which `lora_expand` must be given."""
     config = config or pick_config(token_order.numel())
+    A = group.A[0]
     in_features, max_rows = A.shape[2], _max_rows(A, page_table)
     block_r = _block_r(max_rows)
     block_m, block_k = shrink_tiles(in_features, block_r, A.element_size(), config)
-    splits = -(-in_features // block_k)
-    _check(x, A, page_table, token_order, workspace, splits)
+    splits, members = -(-in_features // block_k), len(group.A)
+    _check(x, A, page_table, token_order, workspace, members * splits)
+    _, off1, off2 = _pad3(group.offsets(group.A))
     ws = workspace.xa
-    _shrink_kernel[(seg_slots.numel(), splits, config.m_programs)](
+    _shrink_kernel[(seg_slots.numel(), members * splits, config.m_programs)](
         x, A, ws, slot_ranks, page_table, token_order, seg_starts, seg_slots,
         in_features, x.stride(0), A.stride(0), A.stride(1), page_table.stride(0), ws.stride(0), ws.stride(1),
+        off1, off2, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, PAGE_ROWS=A.shape[1], MAX_ROWS=max_rows,
         M_PROGRAMS=config.m_programs,
         PRECISION=_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     return splits
 
 
-def lora_expand(y, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+def lora_expand(y, group: Group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
                 workspace: LoRAWorkspace, splits: int, config: KernelConfig | None = None) -> None:
-    """y[t] += scales[s] * (sum over splits of workspace.xa[:, p]) @ rows(BT, s), t = token_order[p]."""
+    """y[t, columns_g + n] += scales[modules_g, s] * (sum over splits of workspace.xa[g * splits :, p])
+    @ rows(BT_g, s)[:, n] for every member g, t = token_order[p]. scales: [n_modules, num_slots]."""
     config = config or pick_config(token_order.numel())
-    _check(y, BT, page_table, token_order, workspace, splits)
-    out_features, max_rows = BT.shape[2], _max_rows(BT, page_table)
+    BT = group.BT[0]
+    _check(y, BT, page_table, token_order, workspace, len(group.BT) * splits)
+    max_rows = _max_rows(BT, page_table)
     block_r = _block_r(max_rows)
     block_n, num_stages = expand_tiles(block_r, BT.element_size(), config)
+    widths = [bt.shape[2] for bt in group.BT]
+    tiles = [triton.cdiv(n, block_n) for n in widths]
+    firsts = [0, tiles[0], tiles[0] + (tiles[1] if len(tiles) > 1 else 1 << 20)]  # member g's first tile
+    n0, n1, n2 = _pad3(widths)
+    c0, c1, c2 = _pad3(group.columns)
+    _, o1, o2 = _pad3(group.offsets(group.BT))
+    r0, r1, r2 = _pad3([bt.stride(1) for bt in group.BT])
+    m0, m1, m2 = _pad3(group.modules)
+    if scales.dim() != 2:
+        raise ValueError(f"scales must be [n_modules, num_slots], got {tuple(scales.shape)}")
     ws = workspace.xa
-    grid = (seg_slots.numel(), triton.cdiv(out_features, block_n), config.m_programs)
+    grid = (seg_slots.numel(), sum(tiles), config.m_programs)
     _expand_kernel[grid](
         y, BT, ws, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
-        out_features, y.stride(0), BT.stride(0), BT.stride(1), page_table.stride(0), ws.stride(0), ws.stride(1),
+        y.stride(0), BT.stride(0), page_table.stride(0), ws.stride(0), ws.stride(1), scales.stride(0),
+        n0, n1, n2, c0, c1, c2, o1, o2, r0, r1, r2, m0, m1, m2,
+        FIRST1=firsts[1], FIRST2=firsts[2],
         SPLITS=splits, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_R=block_r, PAGE_ROWS=BT.shape[1],
         MAX_ROWS=max_rows, M_PROGRAMS=config.m_programs,
         PRECISION=_precision(y.dtype), num_warps=config.num_warps, num_stages=num_stages)
 
 
+def lora_group_apply(y, x, group: Group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
+                     workspace: LoRAWorkspace, config: KernelConfig | None = None) -> None:
+    """The module docstring's loop for every member of a group on CUDA: one shrink launch, one expand launch."""
+    splits = lora_shrink(x, group, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace, config)
+    lora_expand(y, group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace, splits,
+                config)
+
+
+def lora_group_reference(y, x, group: Group, scales, slot_ranks, page_table, token_order, seg_starts,
+                         seg_slots) -> None:
+    """`lora_reference` for each member of a group, on its columns of y."""
+    for A, BT, module, column in zip(group.A, group.BT, group.modules, group.columns):
+        lora_reference(y[:, column: column + BT.shape[2]], x, A, BT, scales[module], slot_ranks, page_table,
+                       token_order, seg_starts, seg_slots)
+
+
 def lora_apply(y, x, A, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
                workspace: LoRAWorkspace, config: KernelConfig | None = None) -> None:
-    """The module docstring's loop on CUDA: one shrink launch, then one expand launch."""
-    splits = lora_shrink(x, A, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace, config)
-    lora_expand(y, BT, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots, workspace, splits, config)
+    """One target linear: `lora_group_apply` with a group of one (scales [num_slots])."""
+    lora_group_apply(y, x, Group.single(A, BT), scales[None], slot_ranks, page_table, token_order, seg_starts,
+                     seg_slots, workspace, config)
 
 
 if triton is not None:
 
     @triton.jit
+    def _member(g, v0, v1, v2):
+        """Member g's value of a per-member scalar (groups have at most three members)."""
+        return tl.where(g == 0, v0, tl.where(g == 1, v1, v2))
+
+    @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, ws_ptr, ranks_ptr, pages_ptr, order_ptr, starts_ptr, slots_ptr,
-                       K, stride_xt, stride_ap, stride_ar, stride_pt, stride_wsj, stride_wsp,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       K, stride_xt, stride_ap, stride_ar, stride_pt, stride_wsj, stride_wsp, a_off1, a_off2,
+                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                        PAGE_ROWS: tl.constexpr, MAX_ROWS: tl.constexpr,
                        M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
         seg = tl.program_id(0)
-        split = tl.program_id(1)
+        row = tl.program_id(1)  # member g's K split j: workspace row g * SPLITS + j
         slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
         start = tl.load(starts_ptr + seg)
         end = tl.load(starts_ptr + seg + 1)
         first = start + tl.program_id(2) * BLOCK_M  # this program's first M tile
         if (slot < 0) | (end <= first):
             return
+        g = row // SPLITS
+        split = row - g * SPLITS
         offs_r = tl.arange(0, BLOCK_R)
         rank = tl.load(ranks_ptr + slot)  # the rank and page loads go out together
         page = tl.load(pages_ptr + slot.to(tl.int64) * stride_pt + offs_r // PAGE_ROWS, mask=offs_r < MAX_ROWS,
                        other=0)
-        rows = page.to(tl.int64) * stride_ap + (offs_r % PAGE_ROWS) * stride_ar  # [BLOCK_R] row offsets
+        member = _member(g, 0, a_off1, a_off2).to(tl.int64)
+        rows = member + page.to(tl.int64) * stride_ap + (offs_r % PAGE_ROWS) * stride_ar  # [BLOCK_R] row offsets
         offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         r_mask = offs_r < rank  # rows past the rank are never read: a rank-8 adapter costs half a rank-16 one
         a = tl.load(a_ptr + rows[:, None] + offs_k[None, :],
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K], read once
         a_t = tl.trans(a)
-        ws_split = ws_ptr + split * stride_wsj
+        ws_row = ws_ptr + row * stride_wsj
         for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
             pos = m0 + tl.arange(0, BLOCK_M)
             m_mask = pos < end
@@ -256,41 +346,50 @@ if triton is not None:
                          mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             part = tl.dot(xt, a_t, input_precision=PRECISION)  # [BLOCK_M, BLOCK_R] fp32
             # columns past the rank hold zeros (A's rows were masked), so the expand reads whole rows
-            tl.store(ws_split + pos[:, None] * stride_wsp + offs_r[None, :], part, mask=m_mask[:, None])
+            tl.store(ws_row + pos[:, None] * stride_wsp + offs_r[None, :], part, mask=m_mask[:, None])
 
     @triton.jit
     def _expand_kernel(y_ptr, bt_ptr, ws_ptr, scales_ptr, ranks_ptr, pages_ptr, order_ptr, starts_ptr, slots_ptr,
-                       N, stride_yt, stride_bp, stride_br, stride_pt, stride_wsj, stride_wsp,
+                       stride_yt, stride_bp, stride_pt, stride_wsj, stride_wsp, stride_sm,
+                       n0, n1, n2, col0, col1, col2, bt_off1, bt_off2, stride_br0, stride_br1, stride_br2,
+                       mod0, mod1, mod2, FIRST1: tl.constexpr, FIRST2: tl.constexpr,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_R: tl.constexpr, PAGE_ROWS: tl.constexpr, MAX_ROWS: tl.constexpr,
                        M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
         seg = tl.program_id(0)
-        n_tile = tl.program_id(1)
+        tile = tl.program_id(1)  # output tiles of member 0, then member 1's, then member 2's
         slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
         start = tl.load(starts_ptr + seg)
         end = tl.load(starts_ptr + seg + 1)
         first = start + tl.program_id(2) * BLOCK_M  # this program's first M tile
         if (slot < 0) | (end <= first):
             return
+        g = (tile >= FIRST1).to(tl.int32) + (tile >= FIRST2).to(tl.int32)
+        n_tile = tile - _member(g, 0, FIRST1, FIRST2)
+        N = _member(g, n0, n1, n2)
+        stride_br = _member(g, stride_br0, stride_br1, stride_br2).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
         rank = tl.load(ranks_ptr + slot)  # the rank, scale and page loads go out together
-        scale = tl.load(scales_ptr + slot)
+        scale = tl.load(scales_ptr + _member(g, mod0, mod1, mod2).to(tl.int64) * stride_sm + slot)
         page = tl.load(pages_ptr + slot.to(tl.int64) * stride_pt + offs_r // PAGE_ROWS, mask=offs_r < MAX_ROWS,
                        other=0)
-        rows = page.to(tl.int64) * stride_bp + (offs_r % PAGE_ROWS) * stride_br  # [BLOCK_R] row offsets
+        member = _member(g, 0, bt_off1, bt_off2).to(tl.int64)
+        rows = member + page.to(tl.int64) * stride_bp + (offs_r % PAGE_ROWS) * stride_br  # [BLOCK_R] row offsets
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         r_mask = offs_r < rank
         bt = tl.load(bt_ptr + rows[:, None] + offs_n[None, :],
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N], read once
+        cols = _member(g, col0, col1, col2) + offs_n
+        ws_member = ws_ptr + g * SPLITS * stride_wsj
         for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
             pos = m0 + tl.arange(0, BLOCK_M)
             m_mask = pos < end
             tok = tl.load(order_ptr + pos, mask=m_mask, other=0).to(tl.int64)
-            y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :]
+            y_ptrs = y_ptr + tok[:, None] * stride_yt + cols[None, :]
             y_mask = m_mask[:, None] & n_mask[None, :]
             y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            xa_ptrs = ws_ptr + pos[:, None] * stride_wsp + offs_r[None, :]
+            xa_ptrs = ws_member + pos[:, None] * stride_wsp + offs_r[None, :]
             xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for j in tl.static_range(SPLITS):  # unrolled: every partial's load is in flight at once
                 xa += tl.load(xa_ptrs + j * stride_wsj, mask=m_mask[:, None], other=0.0)

@@ -6,7 +6,7 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 from app.kernels.lora import DECODE, PREFILL, KernelConfig
-from test_lora_kernels import run_kernels
+from test_lora_kernels import run_group_kernels, run_kernels
 
 _patch_lang_tensor = interpreter._patch_lang_tensor
 
@@ -27,12 +27,23 @@ CASES = [
     (16, 16, (4, 16), [(20, 1), (5, 2)], 32, 4, KernelConfig(4, 16, 16, 4, m_programs=2)),  # one page per adapter
 ]
 
+GROUP_CASES = [
+    # (member widths, columns no member owns after the first, segments, t_cap, s_cap, config)
+    ((24, 8, 8), 0, [(1, 0), (1, -1), (1, 60), (1, 9)], 8, 6, DECODE),  # q, k, v in decode; slot 0 skips v
+    ((24, 8), 8, [(40, 2), (7, -1), (70, 0), (3, 2)], 128, 8, PREFILL),  # q and v around k, prefill tiles
+    ((300, 300), 0, [(2, 5), (3, 0)], 8, 4, KernelConfig(4, 16, 64, 4)),  # gate and up: 5 tiles each
+]
+
 
 def main() -> None:
     for i, (max_rank, page_rows, ranks, segments, t_cap, s_cap, config) in enumerate(CASES):
         run_kernels(torch.float32, 40, 24, max_rank, segments, t_cap, s_cap, seed=i, config=config, device="cpu",
                     page_rows=page_rows, ranks=ranks)
         print(f"case {i} ok")
+    for i, (widths, gap, segments, t_cap, s_cap, config) in enumerate(GROUP_CASES):
+        run_group_kernels(torch.float32, 40, widths, gap, 16, segments, t_cap, s_cap, seed=i, config=config,
+                          device="cpu", ranks=(4, 7, 16))
+        print(f"group case {i} ok")
     print("all interpreter cases match")
 
 

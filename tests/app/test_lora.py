@@ -9,7 +9,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from app.kernels.lora import gather_rows
-from app.lora import MAX_RESIDENT_ADAPTERS, LoRAContext, LoRALinear, LoRAMetadata, LoRASlots, pool_size, segments
+from app.lora import (MAX_RESIDENT_ADAPTERS, LinearGroup, LoRAContext, LoRALinear, LoRAMetadata, LoRASlots, pool_size,
+                      segments)
 from app.targets import target_shapes
 from prefetch.layout import PageLayout
 
@@ -39,7 +40,7 @@ def test_wrapped_linear_equals_the_per_token_loop_with_mixed_ranks():
             A[pages[k // page_rows], k % page_rows] = dense_A[s][k]
             BT[pages[k // page_rows], k % page_rows] = dense_BT[s][k]
     ctx.scales[0] = torch.tensor([0.5, 2.0, 1.0, 4.0])
-    layer = LoRALinear(base, A, BT, 0, ctx)
+    layer = LoRALinear(base, LinearGroup([base], {0: (0, A, BT)}, ctx), 0)
     token_slots = [2, -1, 0, 2, 3, 1, 1]
     order, starts, seg_slots = segments(token_slots, 7, 7)
     t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
@@ -94,3 +95,53 @@ def test_pool_size_from_bytes_fraction_or_slot_override(monkeypatch):
     assert pool_size(huge, layout, torch.bfloat16, cpu) == (4 * MAX_RESIDENT_ADAPTERS, MAX_RESIDENT_ADAPTERS)
     with pytest.raises(ValueError, match=f"holds 3 pages of {page} bytes; one adapter at max_rank 16 needs 4"):
         pool_size(sizing(adapter_memory_bytes=3 * page), layout, torch.bfloat16, cpu)
+
+
+def test_sibling_linears_run_as_one_group_and_equal_the_per_module_loop():
+    """q/k/v and gate/up share one GEMM and one LoRA launch pair; the model's outputs equal the unwrapped model's
+    plus each module's own LoRA, for an adapter that skips some members (k, up) of a group."""
+    import copy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TINY).eval()
+    reference = copy.deepcopy(model)
+    layout = PageLayout(target_shapes(TINY), max_rank=8, page_rows=4)
+    lora = LoRASlots(model, layout, num_pages=6, num_slots=3, t_cap=8)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group and len(lora.groups) == 4
+    assert attn.k_proj.base.weight.data_ptr() == attn.q_proj.base.weight.data_ptr() + 16 * 16 * 4  # views of one
+    gen = torch.Generator().manual_seed(1)
+    skipped = ("k_proj", "up_proj")
+    parts, dense = {}, {}
+    for module, (n_in, n_out) in layout.shapes.items():
+        if module.rsplit(".", 1)[1] in skipped:
+            continue
+        a, b = torch.randn(6, n_in, generator=gen), torch.randn(n_out, 6, generator=gen)
+        parts[module] = (a.flatten(), b.flatten(), 6, 0.5)
+        dense[module] = (a, b)
+    host = [torch.empty(layout.page_numel) for _ in range(2)]
+    lora.write_slot(1, [4, 2], host, layout.pack(parts, host), 6)
+    token_slots = [1, -1, 1, 1]
+    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    order, starts, seg_slots = segments(token_slots, 4, 4)
+    lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(seg_slots))
+    rows = torch.tensor([s >= 0 for s in token_slots])
+
+    def add_lora(name):
+        def hook(module, args, out):
+            a, b = dense[name]
+            return out + rows[None, :, None] * 0.5 * (args[0] @ a.T) @ b.T
+        return hook
+
+    for name in dense:
+        reference.get_submodule(name).register_forward_hook(add_lora(name))
+    ids = torch.tensor([[3, 7, 1, 30]])
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # A member called without its group's first member computes its own output alone.
+        x = torch.randn(1, 4, 16, generator=gen)
+        k_alone = attn.k_proj(x)
+        torch.testing.assert_close(k_alone, reference.model.layers[0].self_attn.k_proj(x))
+        v_alone = attn.v_proj(x)
+        torch.testing.assert_close(v_alone, reference.model.layers[0].self_attn.v_proj(x), rtol=1e-4, atol=1e-4)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, gather_rows, lora_reference
+from app.kernels.lora import (DECODE, PREFILL, Group, KernelConfig, LoRAWorkspace, gather_rows, lora_group_reference,
+                              lora_reference)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: xa is rounded to bf16 before the expand
@@ -138,8 +139,9 @@ def test_triton_kernels_in_the_cpu_interpreter():
 
 def test_workspace_and_config_sizes():
     ws = LoRAWorkspace.allocate(t_cap=64, max_rank=8, in_features=[4096, 14336], device="cpu")
-    # rank tile padded to 16; fp32 at K=14336 fits only 512-wide K blocks in SHRINK_SMEM: 28 splits
-    assert ws.xa.shape == (28, 64, 16) and ws.xa.dtype == torch.float32
+    # rank tile padded to 16; fp32 at K=14336 fits only 512-wide K blocks in SHRINK_SMEM: 28 splits, for each of
+    # up to 3 members of a group
+    assert ws.xa.shape == (3 * 28, 64, 16) and ws.xa.dtype == torch.float32
     with pytest.raises(ValueError, match="block_n"):
         KernelConfig(target_splits=4, block_m=16, block_n=96, num_warps=4)
 
@@ -169,6 +171,103 @@ def run_kernels(dtype, in_features, out_features, max_rank, segments, t_cap, s_c
     assert rel_error(got, want, y0) < TOLERANCE[dtype]
     base = base_rows(token_order.cpu(), seg_starts.cpu(), seg_slots.cpu(), real)
     assert torch.equal(got[base], y0[base])
+
+
+def make_group(num_slots, max_rank, in_features, widths, gap, dtype, device, seed, ranks=(8, 16), page_rows=4):
+    """Members reading one x, as views of one page pool laid out as prefetch/layout.py lays pages (each member's
+    A rows, then each member's BT rows), writing column ranges of one y with `gap` columns that no member owns
+    after the first (a sibling the adapters do not target, as k between q and v). Returns (group, y width,
+    scales [members + 1, num_slots] whose rows the members use out of order, slot_ranks, page_table)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    pick = torch.randint(len(ranks), (num_slots,), generator=gen, device=device)
+    slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)[pick]
+    max_pages = -(-max_rank // page_rows)
+    num_pages = num_slots * max_pages + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    page_table = order[: num_slots * max_pages].view(num_slots, max_pages).to(torch.int32).to(device)
+    cols = [in_features] * len(widths) + list(widths)
+    pool = torch.randn(num_pages, page_rows * sum(cols), generator=gen, device=device)
+    views = [v.unflatten(1, (page_rows, c)) for v, c in zip(pool.split([page_rows * c for c in cols], 1), cols)]
+    padding = padding_rows(slot_ranks, page_table, num_pages, page_rows)
+    for i, view in enumerate(views):
+        view.mul_(in_features ** -0.5 if i < len(widths) else 0.25).masked_fill_(padding, 0.0)
+    pool = pool.to(dtype)
+    views = [v.unflatten(1, (page_rows, c)) for v, c in zip(pool.split([page_rows * c for c in cols], 1), cols)]
+    columns, at = [], 0
+    for i, width in enumerate(widths):
+        columns.append(at)
+        at += width + (gap if i == 0 else 0)
+    modules = tuple(range(len(widths)))[::-1]
+    scales = torch.rand(len(widths) + 1, num_slots, generator=gen, device=device) + 0.5
+    scales[modules[-1], 0] = 0.0  # slot 0's adapter skips the last member's module
+    group = Group(tuple(views[: len(widths)]), tuple(views[len(widths):]), modules, tuple(columns))
+    return group, at, scales, slot_ranks, page_table, padding
+
+
+def run_group_kernels(dtype, in_features, widths, gap, max_rank, segments, t_cap, s_cap, seed, config=None,
+                      device="cuda", page_rows=4, ranks=(8, 16)):
+    from app.kernels.lora import lora_group_apply
+
+    gen = torch.Generator().manual_seed(seed)
+    group, width, scales, slot_ranks, page_table, padding = make_group(
+        64, max_rank, in_features, widths, gap, dtype, device, seed, ranks=ranks, page_rows=page_rows)
+    token_order, seg_starts, seg_slots = make_segments(segments, t_cap, s_cap, gen, device)
+    real = sum(n for n, _ in segments)
+    x = torch.randn(real, in_features, device=device, dtype=dtype)
+    y0 = torch.randn(real, width, device=device, dtype=dtype)
+    want = y0.clone()
+    lora_group_reference(want, x, group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots)
+    for view in group.A + group.BT:  # never read: NaN would show
+        view.masked_fill_(padding, float("nan"))
+    ws = LoRAWorkspace.allocate(t_cap, max_rank, [in_features], device)
+    ws.xa.fill_(float("nan"))
+    got = y0.clone()
+    lora_group_apply(got, x, group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots, ws, config)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert rel_error(got, want, y0) < TOLERANCE[dtype]
+    base = base_rows(token_order.cpu(), seg_starts.cpu(), seg_slots.cpu(), real)
+    assert torch.equal(got[base], y0[base])
+    if gap:  # columns no member owns
+        lo = widths[0]
+        assert torch.equal(got[:, lo: lo + gap], y0[:, lo: lo + gap])
+
+
+def test_group_reference_is_each_members_reference():
+    gen = torch.Generator().manual_seed(5)
+    group, width, scales, slot_ranks, page_table, _ = make_group(6, 16, 24, (20, 12, 8), 4, torch.float32, "cpu", 5,
+                                                                 ranks=(4, 16))
+    token_order, seg_starts, seg_slots = make_segments([(3, 0), (2, -1), (4, 5)], 12, 6, gen, "cpu")
+    x, y0 = torch.randn(9, 24, generator=gen), torch.randn(9, width, generator=gen)
+    got = y0.clone()
+    lora_group_reference(got, x, group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots)
+    want = y0.clone()
+    for A, BT, module, column in zip(group.A, group.BT, group.modules, group.columns):
+        n = BT.shape[2]
+        want[:, column: column + n] = naive(y0[:, column: column + n], x, A, BT, scales[module], slot_ranks,
+                                            page_table, token_order, seg_starts, seg_slots).float()
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(got[:, 20:24], y0[:, 20:24])  # the gap
+
+
+def test_group_members_must_share_one_pool():
+    A, BT = torch.zeros(4, 2, 8), torch.zeros(4, 2, 6)
+    with pytest.raises(ValueError, match="one page pool"):
+        Group((A, A.clone()), (BT, BT.clone()), (0, 1), (0, 6))
+    with pytest.raises(ValueError, match="1 to 3 members"):
+        Group((), (), (), ())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("widths,gap", [((4096, 1024, 1024), 0), ((4096, 1024), 1024), ((14336, 14336), 0)])
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+def test_group_matches_reference(dtype, widths, gap, tokens):
+    slots = torch.randint(64, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    segments = [(1, slot) for slot in dict.fromkeys(slots)] + [(1, -1)]
+    run_group_kernels(dtype, 4096, widths, gap, 16, segments, t_cap=len(segments) + 5, s_cap=len(segments) + 3,
+                      seed=tokens)
 
 
 @pytest.mark.gpu

@@ -265,7 +265,7 @@ class ModelRunner:
     def _capture_all(self) -> None:
         start = time.perf_counter()
         self._allocate_static()
-        self.lora.ctx.overlap = True
+        self.lora.ctx.overlap = True  # the LoRA shrink beside each GEMM, in the graphs only (app/lora.py)
         pool = None
         for batch, lora in [(b, lora) for b in reversed(buckets_up_to(self.max_batch_size)) for lora in (True, False)]:
             graph = DecodeGraph(batch, lora)

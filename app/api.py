@@ -16,12 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from app.errors import UnsupportedField
 from app.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from app.structured import json_object_spec, json_schema_spec
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_PROMPT_CHARS = 1 << 20
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 32  # prompts in one completions request
 MAX_CHOICES = 64  # prompts x n
+MAX_SCHEMA_CHARS = 64 << 10  # a response_format schema, as compact JSON
 # Strict: JSON true and 1.0 are not token ids. The ingress checks the vocabulary's size.
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -59,6 +61,45 @@ class _Strict(BaseModel):
                                          "implement rather than ignoring them")
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The schema's name (OpenAI's rule).")
+    description: str | None = Field(default=None, description="Accepted, unused: it does not reach the model.")
+    schema_: dict | bool = Field(alias="schema", description="A JSON Schema the output must validate against.")
+    strict: bool | None = Field(default=None, description="Accepted: the output always follows the schema.")
+
+    @field_validator("schema_")
+    @classmethod
+    def _size(cls, schema):
+        if len(json_schema_spec(schema)) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the schema has more than {MAX_SCHEMA_CHARS} characters as compact JSON")
+        return schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="json_object: any JSON object; json_schema: JSON valid under json_schema.schema.")
+    json_schema: JsonSchemaFormat | None = Field(default=None, description="Needed with type json_schema only.")
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only then")
+        return self
+
+    def check_supported(self) -> None:
+        for part in (self, self.json_schema):
+            if part is not None and part.model_extra:
+                name = sorted(part.model_extra)[0]
+                raise UnsupportedField(f"response_format.{name}", f"unknown field 'response_format.{name}' is "
+                                                                  "not supported")
+
+    def spec(self) -> str | None:
+        """What SamplingParams.response_format carries (app/structured.py); None for plain text."""
+        if self.type == "json_object":
+            return json_object_spec()
+        return json_schema_spec(self.json_schema.schema_) if self.json_schema else None
+
+
 class _Body(_Strict):
     model: str = Field(description="An adapter name, or the base model's id.", max_length=256)
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT,
@@ -85,6 +126,8 @@ class _Body(_Strict):
                                                  description="Token ids that end the output (vLLM).")
     include_stop_str_in_output: bool = Field(default=False, description="Keep the stop string or token (vLLM).")
     skip_special_tokens: bool = Field(default=True, description="Leave special tokens out of the text (vLLM).")
+    response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema: "
+                                                   "the output follows a JSON grammar (app/structured.py).")
 
     @field_validator("stop")
     @classmethod
@@ -109,6 +152,8 @@ class _Body(_Strict):
     def check_supported(self) -> None:
         """400 naming the first field that this server does not implement (see the module docstring)."""
         super().check_supported()
+        if self.response_format is not None:
+            self.response_format.check_supported()
         for name, value in self.__dict__.items():
             reason = self._refused(name, value)
             if reason:
@@ -135,6 +180,7 @@ class _Body(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            response_format=self.response_format.spec() if self.response_format else None,
         )
 
     @property
@@ -246,7 +292,6 @@ class ChatCompletionRequest(_Body):
     logprobs: bool = Field(default=False, description="Logprobs of each generated token (raw logits).")
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                      description="The k likeliest tokens at each position; needs logprobs.")
-    response_format: dict | None = Field(default=None, description="Refused unless {'type': 'text'}.")
     tools: list | None = Field(default=None, description="Refused unless empty: tool calling is not implemented.")
     tool_choice: str | dict | None = Field(default=None, description="Refused unless 'none'.")
 
@@ -264,8 +309,6 @@ class ChatCompletionRequest(_Body):
     def _refused(self, name, value):
         if name == "top_logprobs" and value and not self.logprobs:
             return "top_logprobs needs logprobs: true"
-        if name == "response_format" and value and value.get("type") != "text":
-            return "structured output (json_object, json_schema) is not implemented"
         if name == "tools" and value:
             return "tool calling is not implemented"
         if name == "tool_choice" and value not in (None, "none"):

@@ -14,6 +14,7 @@ import threading
 import uuid
 from concurrent.futures import Future
 from dataclasses import replace
+from operator import methodcaller
 from typing import AsyncIterator, Callable
 
 from app.engine import LLMEngine
@@ -45,6 +46,8 @@ class EngineStreams:
         self._streams[request_id] = (loop, outputs)
         finished = False
         try:
+            if params.response_format is not None:  # compiled beside the engine loop: it may take a second
+                await self.call_aside(methodcaller("compile_grammar", params.response_format))
             await self._submit(prompt, adapter_id, params, request_id)
             while not finished:
                 output = await outputs.get()

@@ -30,6 +30,7 @@ from app.sampler import sample_batch, seed_for
 from app.sampling import SamplingParams
 from app.scheduler import Chunk, Scheduler, StepPlan
 from app.step_timing import StepTiming
+from app.structured import GrammarCompiler
 from app.targets import target_shapes
 from prefetch.hints import HintBook
 from prefetch.layout import PageLayout
@@ -76,6 +77,7 @@ class LLMEngine:
                  cache.k.numel() * cache.k.element_size() * 2 / 1e9, num_pages, num_slots, self.lora.nbytes() / 1e9,
                  self.runner.graph_batches or "none")
         self.eos_ids = _eos_ids(model, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
@@ -143,8 +145,10 @@ class LLMEngine:
             )
         if len(self.waiting) >= self.config.max_queue:
             raise CapacityExceeded(f"the queue holds {len(self.waiting)} requests (max_queue)", retry_after_s=1.0)
+        # Compiled beside the loop by compile_grammar first, when it comes through an AsyncEngine: a cache hit.
+        grammar = None if params.response_format is None else self.grammars.grammar(params.response_format)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params))
+        request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params), grammar=grammar)
         if adapter_id is not None:
             self.residency.classify_arrival(adapter_id)
             hinted_at = self.hints.arrived(adapter_id)
@@ -153,6 +157,11 @@ class LLMEngine:
         self.scheduler.add(request)
         self.requests[request_id] = request
         return request
+
+    def compile_grammar(self, spec: str) -> None:
+        """Compile a response_format spec into the cache (thread-safe: runs beside the loop, as a big schema at
+        a 128k vocabulary takes up to a second); InvalidResponseFormat if it does not compile."""
+        self.grammars.compile(spec)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -268,6 +277,8 @@ class LLMEngine:
             request.finish_reason = "length"
             return self._output(request, "", ())
         request.output_ids.append(token)
+        if request.grammar is not None:
+            request.grammar.advance(token)
         finish = None
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             finish = "stop"  # min_tokens masked these tokens until now (app/penalties.py)
@@ -280,6 +291,8 @@ class LLMEngine:
         if found is not None:
             at, stop = found
             text, finish = text[:at + len(stop) if params.include_stop_str_in_output else at], "stop"
+        elif finish is None and request.grammar is not None and request.grammar.is_finished:
+            finish = "stop"  # the JSON is complete: nothing but EOS could follow
         elif finish is None and (len(request.output_ids) >= params.max_tokens
                                  or request.num_tokens >= self.max_model_len):
             finish = "length"

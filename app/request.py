@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from app.errors import ServingError
 from app.logprobs import TokenLogprob
 from app.sampling import SamplingParams, StopChecker
+from app.structured import Grammar
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Request:
     first_token_at: float | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., as prefill computes them
     prompt_logprobs_sent: bool = False
+    grammar: Grammar | None = None  # response_format's matcher (app/structured.py), advanced by each token
 
     def __post_init__(self):
         self.stop_checker = StopChecker(self.params.stop)

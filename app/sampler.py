@@ -21,6 +21,7 @@ import torch
 from app.logprobs import EchoRows, TokenLogprob, pack, unpack
 from app.penalties import apply_penalties
 from app.sampling import GREEDY_TEMPERATURE, SamplingParams
+from app.structured import apply_grammars
 
 
 def _int64(x: int) -> int:
@@ -117,12 +118,13 @@ def sample_batch(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int
                  echo_logits: torch.Tensor | None = None) -> tuple[list[tuple[int, TokenLogprob | None]], list]:
     """Every request's next token (and its logprobs where asked), and the echo rows' prompt logprobs.
 
-    logits [len(requests), V] are the raw logits; penalties (app/penalties.py) apply before the choice,
-    logprobs read the raw values. Everything comes back in one device-to-host copy: the step's one sync.
+    logits [len(requests), V] are the raw logits; penalties (app/penalties.py), then each constrained
+    row's grammar mask (app/structured.py) apply before the choice; logprobs read the raw values.
+    Everything comes back in one device-to-host copy: the step's one sync.
     """
     rows = RowParams.from_params([r.params for r in requests], [r.seed for r in requests],
                                  [len(r.output_ids) for r in requests], logits.device)
-    tokens = sample_rows(apply_penalties(logits, requests, eos_ids), rows)  # [B]
+    tokens = sample_rows(apply_grammars(apply_penalties(logits, requests, eos_ids), requests), rows)  # [B]
     ks = [r.params.logprobs for r in requests]
     k = max((k for k in ks if k is not None), default=None)
     parts = [tokens.double()]

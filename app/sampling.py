@@ -37,6 +37,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k likeliest
     prompt_logprobs: int | None = None  # the same for every prompt token (echo)
+    # JSON text of a grammar spec (app/structured.py: json_object_spec, json_schema_spec), compiled in the
+    # engine: a string, so the params pickle across the engine process's pipe and key the grammar cache.
+    response_format: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -77,6 +80,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if self.response_format is not None and not isinstance(self.response_format, str):
+            raise InvalidRequest(f"response_format must be a grammar spec string, got {type(self.response_format)}")
 
     @property
     def is_greedy(self) -> bool:

@@ -17,6 +17,7 @@ COMMON_IMPLEMENTED = {
     "stream": True, "stream_options": {"include_usage": True}, "n": 2, "ignore_eos": True,
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 3.0},
     "min_tokens": 2, "stop_token_ids": [9], "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "response_format": {"type": "json_object"},
 }
 NO_EFFECT = {"user": "someone"}  # accepted, changes nothing that is generated or returned
 NEEDS = {"top_logprobs": {"logprobs": True}}  # set in the baseline too when walking this field
@@ -27,8 +28,7 @@ ROUTES = {
     "chat": (ChatCompletionRequest, {"model": "base", "messages": [{"role": "user", "content": "hi"}]},
              {**COMMON_IMPLEMENTED, "messages": [{"role": "user", "content": [{"type": "text", "text": "yo"}]}],
               "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2},
-             {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
-              "tool_choice": "auto"}),
+             {"tools": [{"type": "function"}], "tool_choice": "auto"}),
 }
 
 
@@ -71,8 +71,8 @@ def test_undeclared_fields_are_refused_by_name(route, name):
 def test_refused_fields_at_their_neutral_values_are_accepted():
     CompletionRequest(model="base", prompt="hi", suffix="", best_of=1).check_supported()
     CompletionRequest(model="base", prompt="hi", n=3, best_of=3).check_supported()
-    ChatCompletionRequest(model="base", messages=[{"role": "user", "content": "hi"}], tools=[], tool_choice="none",
-                          response_format={"type": "text"}).check_supported()
+    ChatCompletionRequest(model="base", messages=[{"role": "user", "content": "hi"}], tools=[],
+                          tool_choice="none").check_supported()
 
 
 def test_top_logprobs_without_logprobs_is_refused():

@@ -214,8 +214,10 @@ BAD_INPUT = [
     Case("chat image content part", 400, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
          chat=True, code="unsupported_parameter"),
     Case("chat tools", 400, chat(tools=[{"type": "function"}]), chat=True, code="unsupported_parameter"),
-    Case("chat response_format json", 400, chat(response_format={"type": "json_object"}), chat=True,
-         code="unsupported_parameter"),
+    Case("chat response_format json", 200, chat(response_format={"type": "json_object"}, max_tokens=4), chat=True),
+    Case("chat response_format bad schema", 400, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}), chat=True,
+         code="invalid_response_format"),
     Case("chat unknown field", 400, chat(echo=True), chat=True, code="unsupported_parameter"),
 ]
 

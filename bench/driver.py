@@ -36,6 +36,7 @@ class RequestTrace:
     finished_s: float | None = None
     arrival_kind: str | None = None  # hit | inflight | miss, as the engine classified it
     arrived_to_queue: bool = False  # requests were already waiting when it arrived
+    hint_lead_s: float | None = None  # from the driver's hint for this request to its arrival, as sent
 
 
 @dataclass
@@ -43,6 +44,8 @@ class RunRecord:
     requests: list[RequestTrace]
     metrics: dict  # engine counters over this run only (differences of engine.metrics())
     wall_s: float
+    load_s: list[float] = field(default_factory=list)  # each load's start to its slot being ready
+    unused_resident_bytes: int = 0  # loaded during the run, never used, still resident at its end
 
 
 def vocab_ids(tokenizer) -> np.ndarray:
@@ -65,6 +68,7 @@ class _Player:
         self.hint_lead_s, self.on_finish, self.idle_poll_s = hint_lead_s, on_finish, idle_poll_s
         self.traces = [RequestTrace(a.t_s, a.adapter, a.prompt_len, a.output_len) for a in arrivals]
         self.next_add = self.next_hint = 0
+        self.hinted_at: dict[int, float] = {}  # request index -> when its hint was sent
         self.start = 0.0
 
     def now(self) -> float:
@@ -90,6 +94,7 @@ class _Player:
             adapter = self.arrivals[self.next_hint].adapter
             if adapter is not None:
                 self.engine.hint([self.names[adapter]])
+                self.hinted_at[self.next_hint] = self.now()
             self.next_hint += 1
 
     def _add_arrivals(self) -> None:
@@ -98,6 +103,8 @@ class _Player:
             i = self.next_add
             a, trace = self.arrivals[i], self.traces[i]
             trace.arrived_to_queue = bool(engine.waiting)
+            if i in self.hinted_at:
+                trace.hint_lead_s = self.now() - self.hinted_at.pop(i)
             kinds = (counters.hint_hits, counters.inflight_hits, counters.misses)
             params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
             engine.add_request(self.prompts[i], None if a.adapter is None else self.names[a.adapter], params,

@@ -31,6 +31,7 @@ def summarize(record: RunRecord) -> dict:
     with_adapter = [r for r in record.requests if r.adapter is not None]
     queued = [r for r in with_adapter if r.arrived_to_queue]
     lead = m["hint_lead_seconds"]
+    leads = sorted(r.hint_lead_s for r in with_adapter if r.hint_lead_s is not None)
     return {
         "requests": len(record.requests),
         "completed": len(done),
@@ -42,13 +43,23 @@ def summarize(record: RunRecord) -> dict:
         "token_throughput_per_s": tokens / span,
         "stall_s_per_request": m["stall_seconds"]["sum"] / len(record.requests),
         "stalls": m["stall_seconds"]["count"],
+        # Share of arrivals whose adapter was resident or already loading; "queued": arrivals that found
+        # requests waiting in the engine, the ones a load started ahead of them could serve sooner.
         "hint_hit_rate": hit_rate([r.arrival_kind for r in with_adapter]),
         "hint_hit_rate_when_queued": hit_rate([r.arrival_kind for r in queued]),
         "arrivals_when_queued": len(queued),
         "arrival_kinds": {k: sum(r.arrival_kind == k for r in with_adapter) for k in ("hit", "inflight", "miss")},
+        # Hint to arrival: the engine's histogram (hints its arrivals consumed) and the driver's own samples.
         "hint_lead_s_mean": lead["sum"] / lead["count"] if lead["count"] else None,
-        "hint_lead_s": lead,
-        "wasted_prefetch_bytes": m["wasted_prefetch_bytes"],
+        "hint_lead_s": {**percentiles(leads), "count": len(leads)},
+        "hint_lead_histogram": lead,
+        "hint_lead_samples_s": leads,  # for the hint-lead plot
+        "hints_received": m["hints_received"],
+        "load_s": {**percentiles(record.load_s), "count": len(record.load_s)},  # a load's start to ready
+        # Device bytes loaded and never used: evicted unused during the run, or still unused at its end.
+        "wasted_prefetch_bytes": m["wasted_prefetch_bytes"] + record.unused_resident_bytes,
+        "wasted_prefetch_bytes_evicted": m["wasted_prefetch_bytes"],
+        "unused_resident_bytes_at_end": record.unused_resident_bytes,
         "wasted_prefetches": m["wasted_prefetches"],
         "loads": m["loads_started"],
         "evictions": m["evictions"],

@@ -5,9 +5,13 @@ Adapter choice:
   uniform      every adapter equally likely
   zipf         P(k) ∝ k^-α over N adapters, α = 1.5 (Punica / SGLang benchmarks)
   power-<α>    S-LoRA's trace: index = floor(N · X), X ~ np.random.power(α); small α is skewed
-  bursty-cv<c> a hot set of S adapters, uniform inside it, that moves on every T seconds;
+  bursty-cv<c> a hot set of K adapters, uniform inside it, that moves on every T seconds;
                arrivals are Gamma with coefficient of variation c
   distinct     request i names adapter i: nothing repeats (needs N >= requests)
+  sequential   the seed review's sequential bursts: the first third of the requests over adapters
+               [0, N/5), the next third over [N/5, 3N/5), the rest over [3N/5, N), uniform inside a
+               phase; with 300 requests over N = 50, requests 1-100 use adapters 1-10, the next 100
+               adapters 11-30, the last 100 adapters 31-50
 Arrivals are Gamma with mean 1/rate and CV 1 (Poisson) unless the workload says otherwise.
 Lengths: "slora" draws input and output from U[8, 512) as S-LoRA does; "fixed" is 512 in / 128
 out. `length_scale` shrinks both (at least 1 token) so a CPU run fits in minutes.
@@ -38,11 +42,13 @@ class Workload:
     """How one trace is drawn; `make` turns it into arrivals for a given N, count and rate."""
 
     name: str
-    kind: str  # uniform | zipf | power | bursty | distinct
+    kind: str  # uniform | zipf | power | bursty | distinct | phases
     alpha: float = 0.0  # zipf and power
     cv: float = 1.0  # inter-arrival coefficient of variation
-    hot_set: int | None = None  # bursty: adapters in the hot set (None: the benchmark's slot count)
+    hot_set: int | None = None  # bursty: adapters in the hot set (None: the benchmark's capacity K)
     rotate_s: float = 2.0  # bursty: the hot set moves on every rotate_s seconds
+    # phases: (first, last) fractions of N; the requests split into len(phases) equal runs, in order
+    phases: tuple[tuple[float, float], ...] = ()
 
 
 WORKLOADS = {w.name: w for w in (
@@ -54,7 +60,10 @@ WORKLOADS = {w.name: w for w in (
     Workload("bursty-cv1", "bursty", cv=1.0),
     Workload("bursty-cv4", "bursty", cv=4.0),
     Workload("distinct", "distinct"),
+    Workload("sequential", "phases", phases=((0.0, 0.2), (0.2, 0.6), (0.6, 1.0))),
 )}
+SEQUENTIAL_ADAPTERS = 50  # the seed review's N for the sequential bursts
+SEQUENTIAL_REQUESTS = 300
 
 
 def arrival_times(count: int, rate: float, cv: float, rng: np.random.Generator) -> np.ndarray:
@@ -98,6 +107,8 @@ def choose_adapters(workload: Workload, num_adapters: int, times: np.ndarray, de
         if num_adapters < count:
             raise ValueError(f"distinct needs one adapter per request: {num_adapters} adapters < {count} requests")
         return rng.permutation(num_adapters)[:count]
+    if workload.kind == "phases":
+        return _phase_adapters(num_adapters, count, workload.phases, rng)
     raise ValueError(f"unknown workload kind {workload.kind!r}")
 
 
@@ -112,6 +123,16 @@ def _bursty_adapters(num_adapters: int, times: np.ndarray, hot_set: int, rotate_
     starts = (windows * hot_set) % num_adapters
     picks = rng.integers(0, hot_set, len(times))
     return order[(starts + picks) % num_adapters]
+
+
+def _phase_adapters(num_adapters: int, count: int, phases, rng: np.random.Generator) -> np.ndarray:
+    """Request i is in phase i * len(phases) // count, uniform over that phase's adapters (at least one)."""
+    phase = np.arange(count) * len(phases) // count
+    bounds = [(round(lo * num_adapters), max(round(hi * num_adapters), round(lo * num_adapters) + 1))
+              for lo, hi in phases]
+    low = np.array([bounds[p][0] for p in phase])
+    high = np.array([min(bounds[p][1], num_adapters) for p in phase])
+    return np.minimum(low + (rng.random(count) * (high - low)).astype(int), num_adapters - 1)
 
 
 def hot_sets(arrivals: list[Arrival], rotate_s: float) -> list[set[int]]:

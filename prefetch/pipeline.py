@@ -97,6 +97,8 @@ class PrefetchPipeline:
         self.host_cache.hold(adapter_id)
         self.loads[slot] = Load(adapter_id, slot, is_prefetch, host)
         self.metrics.loads_started += 1
+        if host.done():  # cached on the host: issue the copy now, so this step's schedule may use the slot
+            self._issue(self.loads[slot])
         return slot
 
     def evict(self, adapter_id: str) -> bool:

@@ -100,3 +100,17 @@ def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make
         tokens = run_all(engine, check=True)
         assert len(tokens[request.request_id]) == 2  # it ran once the busy slot freed
         assert engine.residency.pool.lookup(kept) is not None, "the one-off took the busy adapter's slot"
+
+
+def test_queued_adapter_cached_on_the_host_runs_in_the_step_that_loads_it(make_engine, manifest, adapter_names):
+    """Prefetch from the queue issues the device copy at once when the host already holds the adapter, so the
+    request is admitted in that step, as a synchronous load would be, not one forward later."""
+    engine = make_engine(num_slots=2)
+    busy, queued = adapter_names[0], adapter_names[1]
+    engine.residency.host_cache.fetch(queued).result()
+    engine.add_request(manifest["prompts"][0], busy, greedy(30, ignore_eos=True))
+    engine.step()  # something runs, so the step below takes no stall path
+    request = engine.add_request(manifest["prompts"][0], queued, greedy(2))
+    engine.step()
+    assert request in engine.running or request.output_ids, "the request waited a step for its copy to be issued"
+    run_all(engine, check=True)

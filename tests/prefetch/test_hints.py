@@ -11,9 +11,9 @@ def test_one_entry_per_waiting_request_consumed_by_arrivals():
     book.add("a", 1.0)
     book.add("b", 2.0)
     book.add("a", 3.0)
-    assert book.demand() == ["a", "a", "b"]  # most recently hinted first, once per request
+    assert book.demand() == ["a", "a", "b"]  # the oldest waiting hint first, once per request
     assert book.arrived("a") == 1.0  # the oldest hint: its lead time
-    assert book.demand() == ["a", "b"]
+    assert book.demand() == ["b", "a"]  # b's request (hinted at 2.0) is now due before a's (3.0)
     assert book.arrived("a") == 3.0 and book.arrived("a") is None and "a" not in book
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -86,7 +87,9 @@ def main():
     }
     result["serve_overhead_ms_p50"] = result["serve_ttft_ms_p50"] - result["engine_ttft_ms_p50"]
     print(result)
+    result["proxy_transport"] = "grpc" if os.environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "actor"
     tag = "-engine-process" if result["app_args"].get("engine_process") else ""
+    tag += f"-replica-{result['app_args'].get('replica_transport', 'grpc')}-proxy-{result['proxy_transport']}"
     print("wrote", write_result(f"serve-overhead-{args.size}{tag}", result))
 
 

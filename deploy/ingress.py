@@ -151,7 +151,8 @@ def _disconnect_on_cancel(receive):
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, args: dict):
         self.args = AppArgs(**args)
-        self.replicas = replicas
+        # By value: each call goes straight to the replica's gRPC server instead of Ray's actor calls.
+        self.replicas = replicas.options(_by_reference=self.args.replica_transport == "actor")
         self.model_id = self.args.served_model_id
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.base_model)
         base_config = AutoConfig.from_pretrained(self.args.base_model)

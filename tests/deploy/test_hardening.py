@@ -30,10 +30,12 @@ ERROR_KEYS = {"message", "type", "code"}
 
 
 def assert_openai_error(response: httpx.Response) -> dict:
-    """The body is {"error": {"message", "type", "code"}} with string values."""
+    """The body is {"error": {"message", "type", "code"}} with string values, and "param" (OpenAI's name for
+    the offending field) where an error names one."""
     assert response.headers.get("content-type", "").startswith("application/json"), response.headers
     error = response.json()["error"]
-    assert set(error) == ERROR_KEYS and all(isinstance(error[k], str) for k in ERROR_KEYS), error
+    assert set(error) - {"param"} == ERROR_KEYS and all(isinstance(error[k], str) for k in ERROR_KEYS), error
+    assert isinstance(error.get("param", ""), str), error
     return error
 
 

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_FLAGS := $(shell $(PY) -c "import torch" >/dev/null 2>&1 && echo --system-site-packages)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test test-gpu serve demo bench clean
+.PHONY: install test test-gpu serve demo bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) $(VENV)
@@ -33,6 +33,12 @@ serve: install
 
 bench: install
 	$(BIN)/python -m bench.engine_bench --quick
+
+# 10 minutes of mixed traffic against `make serve`'s app, started here (not part of `make test`):
+# errors by status, replica RSS over time (bench/results/cpu-soak-rss.png), pins/rows/host cache at the end.
+SOAK_MINUTES ?= 10
+soak: install
+	RAY_AUTH_MODE=token $(BIN)/python -m bench.soak --launch --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache

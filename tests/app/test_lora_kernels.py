@@ -28,17 +28,24 @@ def padding_rows(slot_ranks, page_table, num_pages, page_rows):
     return (~used)[..., None].to(slot_ranks.device)
 
 
-def make_weights(num_slots, max_rank, in_features, out_features, dtype, device, seed, ranks=(8, 16), page_rows=4):
-    """Random adapters of mixed ranks in shuffled pages of page_rows rank rows (plus spare pages), drawn on
-    `device`, laid out as the slot pool lays them: (A [pages, P, in], BT [pages, P, out], scales, slot_ranks,
-    page_table [num_slots, max_pages]). Rows that hold no rank row are zero, as pack leaves them."""
-    gen = torch.Generator(device).manual_seed(seed)
+def random_slots(num_slots, max_rank, ranks, page_rows, gen, seed, device):
+    """Each slot's rank, drawn from `ranks`, and its max_rank pages, shuffled over a pool with 3 spare pages:
+    (slot_ranks [num_slots] int32, page_table [num_slots, max_pages] int32, num_pages)."""
     pick = torch.randint(len(ranks), (num_slots,), generator=gen, device=device)
     slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)[pick]
     max_pages = -(-max_rank // page_rows)
     num_pages = num_slots * max_pages + 3
     order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
     page_table = order[: num_slots * max_pages].view(num_slots, max_pages).to(torch.int32).to(device)
+    return slot_ranks, page_table, num_pages
+
+
+def make_weights(num_slots, max_rank, in_features, out_features, dtype, device, seed, ranks=(8, 16), page_rows=4):
+    """Random adapters of mixed ranks in shuffled pages of page_rows rank rows (plus spare pages), drawn on
+    `device`, laid out as the slot pool lays them: (A [pages, P, in], BT [pages, P, out], scales, slot_ranks,
+    page_table [num_slots, max_pages]). Rows that hold no rank row are zero, as pack leaves them."""
+    gen = torch.Generator(device).manual_seed(seed)
+    slot_ranks, page_table, num_pages = random_slots(num_slots, max_rank, ranks, page_rows, gen, seed, device)
     A = torch.randn(num_pages, page_rows, in_features, generator=gen, device=device) / in_features ** 0.5
     BT = torch.randn(num_pages, page_rows, out_features, generator=gen, device=device) / 4.0
     padding = padding_rows(slot_ranks, page_table, num_pages, page_rows)
@@ -179,20 +186,17 @@ def make_group(num_slots, max_rank, in_features, widths, gap, dtype, device, see
     after the first (a sibling the adapters do not target, as k between q and v). Returns (group, y width,
     scales [members + 1, num_slots] whose rows the members use out of order, slot_ranks, page_table)."""
     gen = torch.Generator(device).manual_seed(seed)
-    pick = torch.randint(len(ranks), (num_slots,), generator=gen, device=device)
-    slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)[pick]
-    max_pages = -(-max_rank // page_rows)
-    num_pages = num_slots * max_pages + 3
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
-    page_table = order[: num_slots * max_pages].view(num_slots, max_pages).to(torch.int32).to(device)
+    slot_ranks, page_table, num_pages = random_slots(num_slots, max_rank, ranks, page_rows, gen, seed, device)
     cols = [in_features] * len(widths) + list(widths)
+
+    def segments_of(pool):  # each member's A, then each member's BT: [num_pages, page_rows, cols] views
+        return [v.unflatten(1, (page_rows, c)) for v, c in zip(pool.split([page_rows * c for c in cols], 1), cols)]
+
     pool = torch.randn(num_pages, page_rows * sum(cols), generator=gen, device=device)
-    views = [v.unflatten(1, (page_rows, c)) for v, c in zip(pool.split([page_rows * c for c in cols], 1), cols)]
     padding = padding_rows(slot_ranks, page_table, num_pages, page_rows)
-    for i, view in enumerate(views):
+    for i, view in enumerate(segments_of(pool)):
         view.mul_(in_features ** -0.5 if i < len(widths) else 0.25).masked_fill_(padding, 0.0)
-    pool = pool.to(dtype)
-    views = [v.unflatten(1, (page_rows, c)) for v, c in zip(pool.split([page_rows * c for c in cols], 1), cols)]
+    views = segments_of(pool.to(dtype))
     columns, at = [], 0
     for i, width in enumerate(widths):
         columns.append(at)

@@ -7,8 +7,12 @@ same way for a stream and for a whole response (which is one merged chunk per ch
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from collections.abc import Sequence
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from app.api import Generation
 from app.logprobs import TokenLogprob
@@ -23,6 +27,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+@functools.cache
+def _byte_of() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, as transformers defines it) reversed: character -> the byte it stands for."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The token's own bytes, which OpenAI's `bytes` field carries so that a client can rebuild characters
+    split across tokens (decoding such a token alone gives U+FFFD, whose bytes are not the token's)."""
+    if token_id not in getattr(tokenizer, "added_tokens_decoder", {}):
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel" and piece is not None:
+            byte_of = _byte_of()
+            if all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+        elif piece is not None and (match := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(match.group(1), 16)])
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
 class Choice:
     """One choice's text and logprobs as they stream; `echo_text` is its prompt, shown first with echo."""
 
@@ -32,6 +60,7 @@ class Choice:
         self.offset = 0  # characters returned so far: the next token's text_offset
         self.finish_reason: str | None = None
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
 
     def piece(self, chunk: dict) -> tuple[str, dict | None]:
         """This chunk's text and logprobs (None unless asked); the prompt (echo) comes with the first."""
@@ -70,10 +99,14 @@ class Choice:
             offset += len(token)
         return out
 
+    def _bytes(self, token_id: int) -> list[int]:
+        if token_id not in self._token_bytes:
+            self._token_bytes[token_id] = list(token_bytes(self.tokenizer, token_id))
+        return self._token_bytes[token_id]
+
     def _chat_logprobs(self, entries: Sequence[TokenLogprob]) -> dict:
         def item(token_id: int, logprob: float) -> dict:
-            token = self._decode(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+            return {"token": self._decode(token_id), "logprob": logprob, "bytes": self._bytes(token_id)}
 
         return {"content": [{**item(e.token_id, e.logprob),
                              "top_logprobs": [item(t, lp) for t, lp in e.top[: self.generation.logprobs]]}

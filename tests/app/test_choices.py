@@ -9,7 +9,7 @@ from app.api import ChatCompletionRequest, CompletionRequest
 from app.async_engine import AsyncEngine
 from app.errors import PromptTooLong
 from app.fanout import generate_choices, merge_chunks, output_chunk
-from app.responses import Choice, total_usage
+from app.responses import Choice, token_bytes, total_usage
 from app.sampling import SamplingParams
 from engine_helpers import run_all
 
@@ -113,7 +113,20 @@ def test_chat_logprobs_and_streamed_deltas_carry_their_index(engine):
         assert len(content) == 4 and mine[-1]["finish_reason"] == "length"
         for entry in content:
             assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
-            assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 3
+            assert len(entry["top_logprobs"]) == 3
             assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
-        assert "".join(d["delta"].get("content", "") for d in mine) == tokenizer.decode(
-            [t for c in chunks if c["index"] == index for t in c["token_ids"]], skip_special_tokens=True)
+        text = "".join(d["delta"].get("content", "") for d in mine)
+        assert text == tokenizer.decode([t for c in chunks if c["index"] == index for t in c["token_ids"]],
+                                        skip_special_tokens=True)
+        assert bytes(b for e in content for b in e["bytes"]).decode() == text  # the tokens' own bytes
+
+
+def test_token_bytes_rebuild_characters_split_across_tokens(engine):
+    """Decoding a token that holds part of a character gives U+FFFD; its bytes field must hold its own bytes."""
+    tokenizer = engine.engine.tokenizer
+    text = "héllo 😀 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # the case that matters is in there
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == text.encode()
+    eos = tokenizer.eos_token_id  # an added special token: its text
+    assert token_bytes(tokenizer, eos) == tokenizer.decode([eos], skip_special_tokens=False).encode()

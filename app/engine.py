@@ -79,6 +79,7 @@ class LLMEngine:
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
         self.requests: dict[str, Request] = {}
+        self._by_prompt: dict[tuple, Request] = {}  # (adapter, prompt ids) -> the latest live request with them
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
@@ -149,6 +150,7 @@ class LLMEngine:
         grammar = None if params.response_format is None else self.grammars.grammar(params.response_format)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params), grammar=grammar)
+        self._link_prefix(request)
         if adapter_id is not None:
             self.residency.classify_arrival(adapter_id)
             hinted_at = self.hints.arrived(adapter_id)
@@ -157,6 +159,17 @@ class LLMEngine:
         self.scheduler.add(request)
         self.requests[request_id] = request
         return request
+
+    def _link_prefix(self, request: Request) -> None:
+        """Point `request` at the latest live request with the same adapter and prompt, so that it starts from
+        that one's cached prompt blocks: the n choices of a prompt (and identical prompts) prefill it once.
+        A request that wants its prompt's logprobs (echo) computes them itself."""
+        key = (request.adapter_id, tuple(request.prompt_ids))
+        source = self._by_prompt.get(key)
+        tokens = (len(request.prompt_ids) - 1) // self.config.block_size * self.config.block_size
+        if source is not None and source.finish_reason is None and tokens and request.params.prompt_logprobs is None:
+            request.prefix_source, request.prefix_tokens = source, tokens
+        self._by_prompt[key] = request
 
     def compile_grammar(self, spec: str) -> None:
         """Compile a response_format spec into the cache (thread-safe: runs beside the loop, as a big schema at
@@ -268,6 +281,9 @@ class LLMEngine:
     def _finish(self, request: Request) -> None:
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
+        key = (request.adapter_id, tuple(request.prompt_ids))
+        if self._by_prompt.get(key) is request:
+            del self._by_prompt[key]
 
     def _append(self, request: Request, token: int, logprob=None) -> RequestOutput:
         if request.first_token_at is None:
@@ -420,6 +436,7 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks - 1,
             "kv_blocks_free": self.blocks.free_count(),
             "preemptions": self.scheduler.preemptions,
+            "prefix_shared_tokens": self.scheduler.shared_prefix_tokens,
             "decode_graphs": self.runner.graph_batches,
             "graph_capture_seconds": round(self.runner.capture_seconds, 2),
             "step_timing": self.timing.summary(),

@@ -1,8 +1,8 @@
 """Several choices of one API request (n, batch prompts) as engine requests, merged into one stream.
 
-Choice `index = prompt * n + j` is its own engine request: the prompt is prefilled once per choice
-(the KV cache has no sharing between requests). With a seed, choice j samples with seed + j, as vLLM
-does, so the n choices differ and each is reproducible.
+Choice `index = prompt * n + j` is its own engine request. The engine prefills the prompt once: the later
+choices start from the first one's cached prompt blocks (app/scheduler.py). With a seed, choice j samples
+with seed + j, as vLLM does, so the n choices differ and each is reproducible.
 """
 
 from __future__ import annotations

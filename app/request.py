@@ -42,6 +42,10 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., as prefill computes them
     prompt_logprobs_sent: bool = False
     grammar: Grammar | None = None  # response_format's matcher (app/structured.py), advanced by each token
+    # A live request with the same prompt and adapter whose first prefix_tokens prompt tokens (whole KV blocks)
+    # this one starts from once they are cached (app/scheduler.py), instead of prefilling them again.
+    prefix_source: Request | None = None
+    prefix_tokens: int = 0
 
     def __post_init__(self):
         self.stop_checker = StopChecker(self.params.stop)

@@ -10,6 +10,10 @@ when the chunk reaches the end of the sequence, the step samples the request's n
 - KV blocks are taken as chunks need them. When a running request needs a block and none is free, the
   youngest running request is preempted: its blocks are freed and it waits at the head of the
   queue to recompute its tokens later (vLLM's recompute preemption).
+- A request with a `prefix_source` (another request with the same prompt and adapter, e.g. an earlier
+  choice of the same API request) waits until that source has cached its first `prefix_tokens` prompt
+  tokens (whole blocks), then starts from those blocks, shared, and prefills only the rest: the n
+  choices of a prompt prefill it once. If the source ends first, the request prefills alone.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.preemptions = 0
+        self.shared_prefix_tokens = 0  # prompt tokens requests started from a sibling's blocks
 
     def add(self, request: Sequence) -> None:
         self.waiting.append(request)
@@ -109,14 +114,44 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
+            shared = self._shared_prefix(request)
+            if shared is None:
+                continue  # its prefix source is still prefilling the same prompt
+            if shared:
+                self.blocks.share(request.request_id, request.prefix_source.request_id,
+                                  shared // self.blocks.block_size)
+                request.num_cached = shared
             if not self._can_admit(request, budget):
+                self._unshare(request, shared)
                 break  # first come, first served for KV space: later requests do not overtake
             if not self._acquire(request):
+                self._unshare(request, shared)
                 continue  # its adapter is not ready; later requests may run meanwhile
+            if shared:
+                request.prefix_source = None
+                self.shared_prefix_tokens += shared
             self.waiting.remove(request)
             self.running.append(request)
             budget -= self._schedule_prefill(request, budget, plan)
         return plan
+
+    def _shared_prefix(self, request: Sequence) -> int | None:
+        """Prompt tokens `request` can start from, cached in its prefix source's blocks; None: wait for the
+        source, which is still on its way to caching them."""
+        source = getattr(request, "prefix_source", None)
+        if source is None or request.num_cached:
+            return 0
+        if source in self.running:
+            return request.prefix_tokens if source.num_cached >= request.prefix_tokens else None
+        if source in self.waiting:
+            return None
+        request.prefix_source = None  # the source ended: prefill alone
+        return 0
+
+    def _unshare(self, request: Sequence, shared: int) -> None:
+        if shared:
+            self.blocks.release(request.request_id)
+            request.num_cached = 0
 
     def _can_admit(self, request: Sequence, budget: int) -> bool:
         first = min(request.num_tokens - request.num_cached, budget)

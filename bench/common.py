@@ -75,3 +75,15 @@ def timed_ms(fn, iters: int, warmup: int = 3, host: bool = False) -> list[float]
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def completion_stream_text(body: str) -> tuple[str, str | None]:
+    """A /v1/completions SSE body's text, and the error code of an error event that ended it (else None)."""
+    text = ""
+    for line in body.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return text, chunk["error"]["code"]
+            text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+    return text, None

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.common import RESULTS, device_slug, write_result
+from bench.common import RESULTS, completion_stream_text, device_slug, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me a story.", "Hello!"]
@@ -68,13 +68,9 @@ class Soak:
             response = await client.post("/v1/completions", json=body)
             status, text = str(response.status_code), ""
             if response.status_code == 200 and stream:
-                for line in response.text.splitlines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            status = f"stream error {chunk['error']['code']}"
-                            break
-                        text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+                text, error = completion_stream_text(response.text)
+                if error is not None:
+                    status = f"stream error {error}"
             elif response.status_code == 200:
                 text = response.json()["choices"][0]["text"]
         except httpx.HTTPError as e:

@@ -15,6 +15,7 @@ import httpx
 from app.config import EngineConfig
 from app.engine import LLMEngine
 from app.sampling import SamplingParams
+from bench.common import completion_stream_text
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 12
@@ -69,14 +70,8 @@ def request_once(client: httpx.Client, model: str, stream: bool, expected: str, 
         if not stream:
             text = response.json()["choices"][0]["text"]
             return Outcome(model, stream, "200", text == expected, replica, started, time.monotonic(), text)
-        text, status = "", "200"
-        for line in response.text.splitlines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    status = f"stream:{chunk['error']['code']}"
-                    break
-                text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+        text, error = completion_stream_text(response.text)
+        status = "200" if error is None else f"stream:{error}"
         ok = status == "200" and text == expected and response.text.endswith("data: [DONE]\n\n")
         return Outcome(model, stream, status, ok, replica, started, time.monotonic(), text)
     except httpx.HTTPError as e:

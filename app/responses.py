@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import Sequence
 
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from app.api import Generation
@@ -42,7 +43,7 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     if token_id not in getattr(tokenizer, "added_tokens_decoder", {}):
         piece = tokenizer.convert_ids_to_tokens(token_id)
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        if type(decoder).__name__ == "ByteLevel" and piece is not None:
+        if isinstance(decoder, ByteLevelDecoder) and piece is not None:
             byte_of = _byte_of()
             if all(c in byte_of for c in piece):
                 return bytes(byte_of[c] for c in piece)

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.attention import PagedKVCache
+from app import engine_report as report
 from app.config import EngineConfig
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
 from app.kv_blocks import BlockManager, blocks_for
@@ -399,50 +400,11 @@ class LLMEngine:
 
     def routing_stats(self) -> dict:
         """What the router needs to know about this replica."""
-        snapshot = self.residency.snapshot()
-        try:
-            self.check_invariants()
-            invariants = "ok"
-        except AssertionError as e:
-            invariants = f"violated: {e}"
-        return {
-            "invariants": invariants,
-            "pinned_slots": snapshot["slots_pinned"],
-            "host_cache_bytes": snapshot["host_cache_bytes"],
-            "resident": snapshot["resident_adapters"],
-            "loading": snapshot["loading_adapters"],
-            "queued": sorted({r.adapter_id for r in self.waiting if r.adapter_id is not None}),
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "free_slots": self.residency.free_slots(),
-            "device": str(self.device),
-            "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received")},
-            "hint_lead_seconds": self.hint_lead.as_dict(),
-            "step_timing": self.timing.summary(),
-        }
+        return report.routing_stats(self)
 
     def metrics(self, drain_stalls: bool = False) -> dict:
         """drain_stalls: also return (and forget) the stall durations not yet reported, as "stalls"."""
-        stalls = {}
-        if drain_stalls:
-            events = self.residency.metrics.unreported_stalls
-            stalls = {"stalls": list(events)}
-            events.clear()
-        return {
-            **stalls,
-            "steps": self.steps,
-            "queue_length": len(self.waiting),
-            "batch_size": len(self.running),
-            "kv_blocks_total": self.blocks.num_blocks - 1,
-            "kv_blocks_free": self.blocks.free_count(),
-            "preemptions": self.scheduler.preemptions,
-            "prefix_shared_tokens": self.scheduler.shared_prefix_tokens,
-            "decode_graphs": self.runner.graph_batches,
-            "graph_capture_seconds": round(self.runner.capture_seconds, 2),
-            "step_timing": self.timing.summary(),
-            "hint_lead_seconds": self.hint_lead.as_dict(),
-            **self.residency.snapshot(),
-        }
+        return report.metrics(self, drain_stalls)
 
     def shutdown(self) -> None:
         self.residency.shutdown()

@@ -24,6 +24,7 @@ from app.kernels import attention as attention_kernels
 from app.kernels import lora as lora_kernels
 from app.kv_blocks import BlockManager
 from app.lora import LoRAMetadata, LoRASlots, segments
+from app.norms import fuse_rms_norms
 from app.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ModelRunner:
                            and os.environ.get("VARLEN_PREFILL", "1") != "0")
         self.attention = AttentionState(cache)
         install(model, self.attention)
+        self.fused_norms = fuse_rms_norms(model)  # CUDA only: one kernel per RMSNorm (app/norms.py)
         self.block_size = cache.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_batch_size = max_batch_size

@@ -38,6 +38,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV cache block
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     compile_decode: bool = True  # torch.compile the decoder before capturing the decode graphs (CUDA only)
+    max_graph_tokens: int = 512  # steps that prefill replay graphs up to this many tokens (<= max_batch_size: none)
     max_queue: int = 1024
     max_prefill_tokens_per_step: int = 2048  # prefill tokens per step; longer prompts are chunked
     prefetch: bool = True  # False: adapters load synchronously when a request needs them

@@ -72,7 +72,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_tokens_per_step,
                                    self._acquire, self._release)
         self.runner = ModelRunner(model, self.lora, self.blocks, cache, config.max_batch_size, self.max_model_len,
-                                  use_graphs=config.cuda_graphs, compile_decode=config.compile_decode)
+                                  use_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
+                                  max_graph_tokens=config.max_graph_tokens)
         log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter pool: %d pages, up to %d adapters (%.2f GB); "
                  "decode graphs: %s", self.blocks.num_blocks, config.block_size,
                  cache.k.numel() * cache.k.element_size() * 2 / 1e9, num_pages, num_slots, self.lora.nbytes() / 1e9,

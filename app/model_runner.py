@@ -1,11 +1,14 @@
 """The model runner: turns a step plan into input tensors, runs transformers' model, returns logits.
 
 The only place that knows about CUDA graphs and static buffers. Every step's tokens are flattened into
-one row ([1, T]: decode rows first, then prefill chunks). A decode-only step on CUDA replays the graph
-captured at start-up for the smallest batch bucket that holds it, with every per-step input (token ids,
-positions, cache slots, block tables, context lengths, LoRA segments) copied into that bucket's
-static buffers; padded rows write their K/V into the scratch block 0 and attend to nothing. Steps with
-prefill work, and every step on CPU, run the same code eagerly.
+one row ([1, T]: decode rows first, then prefill chunks). A step on CUDA replays the graph captured at
+start-up for the smallest bucket that holds its tokens, with every per-step input (token ids, positions,
+cache slots, block tables, context lengths, LoRA segments) copied into that bucket's static buffers;
+padded rows write their K/V into the scratch block 0 and attend to nothing. The graphs run every token as
+a decode row: a prefill token at position p is a row with its sequence's block table and context p + 1,
+which the paged decode kernel attends causally once the step's K/V are written. Buckets above
+max_batch_size exist for steps that prefill (up to `max_graph_tokens`): run eagerly, such a step costs
+tens of ms of host launches for a few ms of GPU work. Larger steps, and every step on CPU, run eagerly.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import groupby
 
 import torch
 
@@ -29,10 +33,36 @@ from app.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # above max_batch_size: steps that prefill
+# In a graph each prefill token reads its whole context as a decode row, where flash reads a chunk's context
+# once: beyond this many context tokens over a step's prefill rows (a 512-token prompt has 131k), that reading
+# (4 KB per token and layer at Llama-3-8B shapes, mostly from L2) outgrows the host time a replay saves.
+MAX_GRAPH_PREFILL_CONTEXT = 1 << 17
 
 
 def buckets_up_to(max_batch_size: int) -> list[int]:
     return sorted({b for b in BUCKETS if b < max_batch_size} | {max_batch_size})
+
+
+def graph_buckets(max_batch_size: int, max_graph_tokens: int) -> list[int]:
+    """Decode buckets up to max_batch_size, then coarser token buckets up to max_graph_tokens."""
+    tokens = {b for b in TOKEN_BUCKETS if max_batch_size < b < max_graph_tokens}
+    return sorted(set(buckets_up_to(max_batch_size)) | tokens | ({max_graph_tokens} if max_graph_tokens > max_batch_size
+                                                                  else set()))
+
+
+def as_decode_rows(inputs: StepInputs) -> StepInputs:
+    """The step with every prefill token as a decode row: its sequence's block table (the same list object
+    for a chunk's rows) and context position + 1, so the paged decode attention masks it causally."""
+    tables, lens = list(inputs.decode_tables), list(inputs.decode_lens)
+    starts, nd = inputs.prefill_query_starts, inputs.num_decode
+    for i, table in enumerate(inputs.prefill_tables):
+        first = inputs.positions[nd + starts[i]]
+        n = starts[i + 1] - starts[i]
+        tables += [table] * n
+        lens += range(first + 1, first + n + 1)
+    return replace(inputs, num_decode=len(inputs.input_ids), decode_tables=tables, decode_lens=lens,
+                   prefill_tables=[], prefill_query_starts=[0], prefill_lens=[])
 
 
 @dataclass
@@ -53,8 +83,9 @@ class StepInputs:
 
 
 class DecodeGraph:
-    """One captured decode step for `batch` rows; it reads the runner's static buffers, writes `logits`.
-    A `lora` graph runs the LoRA kernels; the other, for steps whose rows all use the base model, skips them."""
+    """One captured step of `batch` decode rows; it reads the runner's static buffers, writes `logits` (every
+    row's, or for a bucket above max_batch_size the rows of `static_sample`). A `lora` graph runs the LoRA
+    kernels; the other, for steps whose rows all use the base model, skips them."""
 
     def __init__(self, batch: int, lora: bool):
         self.batch, self.lora = batch, lora
@@ -64,7 +95,7 @@ class DecodeGraph:
 
 class ModelRunner:
     def __init__(self, model, lora: LoRASlots, blocks: BlockManager, cache: PagedKVCache, max_batch_size: int,
-                 max_model_len: int, use_graphs: bool, compile_decode: bool = False):
+                 max_model_len: int, use_graphs: bool, compile_decode: bool = False, max_graph_tokens: int = 0):
         self.model, self.lora, self.blocks, self.cache = model, lora, blocks, cache
         self.device = next(model.parameters()).device
         config = model.config
@@ -80,8 +111,10 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_batch_size = max_batch_size
+        self.buckets = graph_buckets(max_batch_size, max_graph_tokens)
         self.graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (batch, lora) -> graph
         self.capture_seconds = 0.0
+        self.mixed_replays = 0  # steps that prefill, replayed in a graph
         # The decode graphs replay what this callable launches at capture: transformers' decoder eagerly,
         # or compiled by torch.compile, whose inductor fuses the elementwise work between the GEMMs
         # (RMSNorm with its residual add, RoPE). Our attention and LoRA kernels stay opaque to it.
@@ -127,11 +160,19 @@ class ModelRunner:
         cache is updated. extra_rows: flat token indices (plan.chunks order) whose logits follow the sampled
         rows' (echo's prompt logprobs), so only the requests that ask pay for them."""
         inputs = self.prepare(plan)
-        graph = self._graph_for(inputs) if plan.is_decode_only and not logits_all and not extra_rows else None
-        if graph is not None:
-            self._fill_static(inputs, graph.batch)
-            graph.graph.replay()
-            return graph.logits[: inputs.num_decode]
+        if self.graphs and not logits_all and not extra_rows and len(inputs.logits_index) <= self.max_batch_size:
+            rows = inputs if plan.is_decode_only else as_decode_rows(inputs)
+            cheap = plan.is_decode_only or sum(rows.decode_lens[inputs.num_decode:]) <= MAX_GRAPH_PREFILL_CONTEXT
+            graph = self._graph_for(rows) if cheap else None
+            if graph is not None:
+                self._fill_static(rows, graph.batch)
+                graph.graph.replay()
+                if plan.is_decode_only:
+                    return graph.logits[: inputs.num_decode]
+                self.mixed_replays += 1
+                if graph.batch > self.max_batch_size:  # the graph gathered the sampled rows (static_sample)
+                    return graph.logits[: len(inputs.logits_index)]
+                return graph.logits[torch.tensor(inputs.logits_index, dtype=torch.long, device=self.device)]
         hidden = self._forward_eager(inputs)
         if not logits_all:
             hidden = hidden[torch.tensor(inputs.logits_index + list(extra_rows), dtype=torch.long, device=self.device)]
@@ -220,14 +261,18 @@ class ModelRunner:
         return sorted({batch for batch, _ in self.graphs})
 
     def _graph_for(self, inputs: StepInputs) -> DecodeGraph | None:
+        """The smallest captured bucket that holds the step's rows (all decode rows), with LoRA if any uses it."""
         lora = any(slot >= 0 for slot in inputs.token_slots)
         for batch, with_lora in sorted(self.graphs):
             if batch >= inputs.num_decode and with_lora == lora:
                 return self.graphs[batch, lora]
         return None
 
+    def _segment_cap(self, batch: int) -> int:
+        return min(batch, self.max_batch_size)  # segments are distinct adapters: at most one per request
+
     def _allocate_static(self) -> None:
-        n, dev = self.max_batch_size, self.device
+        n, dev = max(self.buckets), self.device
         self.static_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.static_positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.static_slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
@@ -236,30 +281,36 @@ class ModelRunner:
         self.static_order = torch.zeros(n, dtype=torch.int32, device=dev)
         self.static_starts = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         self.static_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self.static_sample = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)  # rows to sample
         # Host staging for one non-blocking copy per step.
-        self.host_ints = torch.zeros(7 * n + 1, dtype=torch.long, pin_memory=True)
+        self.host_ints = torch.zeros(7 * n + 1 + self.max_batch_size, dtype=torch.long, pin_memory=True)
         self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
 
     def _fill_static(self, inputs: StepInputs, batch: int) -> None:
         """Copy the step's inputs into the bucket's static buffers: one pinned staging buffer, one copy."""
         pad = [0] * (batch - inputs.num_decode)
-        order, starts, slots = segments(inputs.token_slots, batch, batch)
+        s_cap = self._segment_cap(batch)
+        order, starts, slots = segments(inputs.token_slots, batch, s_cap)
+        sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
         values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
-                  + inputs.decode_lens + pad + order + starts + slots)
+                  + inputs.decode_lens + pad + order + starts + slots + sample)
         # The previous step's copies from these pinned buffers are complete: each step ends by reading its
         # sampled tokens back, which waits for the stream.
         ints = self.host_ints[: len(values)]
         ints.copy_(torch.tensor(values, dtype=torch.long))
         tables = self.host_tables[:batch]
         tables.zero_()
-        for i, table in enumerate(inputs.decode_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        row = 0
+        for _, run in groupby(inputs.decode_tables, key=id):  # a prefill chunk's rows share one table object
+            run = list(run)
+            tables[row: row + len(run), : len(run[0])] = torch.tensor(run[0], dtype=torch.int32)
+            row += len(run)
         staged = ints.to(self.device, non_blocking=True)
-        destinations = (self.static_ids, self.static_positions, self.static_slot_mapping, self.static_lens,
-                        self.static_order, self.static_starts, self.static_slots)
+        sizes = ((self.static_ids, batch), (self.static_positions, batch), (self.static_slot_mapping, batch),
+                 (self.static_lens, batch), (self.static_order, batch), (self.static_starts, s_cap + 1),
+                 (self.static_slots, s_cap), (self.static_sample, self.max_batch_size))
         offset = 0
-        for tensor in destinations:
-            n = batch + 1 if tensor is self.static_starts else batch
+        for tensor, n in sizes:
             tensor[:n].copy_(staged[offset:offset + n])
             offset += n
         self.static_tables[:batch].copy_(tables, non_blocking=True)
@@ -269,7 +320,7 @@ class ModelRunner:
         self._allocate_static()
         self.lora.ctx.overlap = True  # the LoRA shrink beside each GEMM, in the graphs only (app/lora.py)
         pool = None
-        for batch, lora in [(b, lora) for b in reversed(buckets_up_to(self.max_batch_size)) for lora in (True, False)]:
+        for batch, lora in [(b, lora) for b in reversed(self.buckets) for lora in (True, False)]:
             graph = DecodeGraph(batch, lora)
             self._bind_static(batch, lora)
             with torch.inference_mode():
@@ -285,7 +336,7 @@ class ModelRunner:
         self.attention.meta, self.lora.ctx.meta, self.lora.ctx.overlap = None, None, False
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs (batch %s, with and without LoRA%s) in %.1f s", len(self.graphs),
+        log.info("captured %d graphs (rows %s, with and without LoRA%s) in %.1f s", len(self.graphs),
                  sorted({batch for batch, _ in self.graphs}), ", torch.compile" if self.compiled else "",
                  self.capture_seconds)
 
@@ -299,10 +350,14 @@ class ModelRunner:
             decode_block_tables=self.static_tables[:batch], decode_context_lens=self.static_lens[:batch],
             decode_workspace=workspace, prefill_blocks=[], prefill_query_starts=[0], prefill_context_lens=[],
             use_kernel=True)
-        self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:batch + 1],
-                                          self.static_slots[:batch]) if lora else None
+        s_cap = self._segment_cap(batch)
+        self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:s_cap + 1],
+                                          self.static_slots[:s_cap]) if lora else None
 
     def _static_forward(self, batch: int) -> torch.Tensor:
         out = self._decoder(input_ids=self.static_ids[None, :batch],
-                               position_ids=self.static_positions[None, :batch], use_cache=False)
-        return self.model.lm_head(out.last_hidden_state[0])
+                            position_ids=self.static_positions[None, :batch], use_cache=False)
+        hidden = out.last_hidden_state[0]
+        if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows
+            hidden = hidden.index_select(0, self.static_sample)
+        return self.model.lm_head(hidden)

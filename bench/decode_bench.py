@@ -87,7 +87,8 @@ def build(args, dev):
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layout = PageLayout(target_shapes(config), max_rank=args.rank)
     max_batch = max(args.batches)
-    lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots, t_cap=args.prefill_tokens + max_batch)
+    lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots,  # t_cap: the eager warm-up's step too
+                      t_cap=max(args.prefill_tokens, lora_kernels.DECODE_T_MAX + 8) + max_batch)
     gen = torch.Generator(device=dev).manual_seed(1)
     for slot in range(args.slots):
         pages = range(slot * layout.max_pages, (slot + 1) * layout.max_pages)
@@ -99,7 +100,7 @@ def build(args, dev):
     cache = PagedKVCache(config.num_hidden_layers, blocks.num_blocks, 16, 8, 128, torch.bfloat16, dev)
     t0 = time.perf_counter()
     runner = ModelRunner(model, lora, blocks, cache, max_batch, config.max_position_embeddings, use_graphs=True,
-                         compile_decode=args.compile)
+                         compile_decode=args.compile, max_graph_tokens=getattr(args, "max_graph_tokens", 0))
     capture_s = time.perf_counter() - t0
     return model, lora, blocks, runner, weight_bytes, adapter_bytes, capture_s
 

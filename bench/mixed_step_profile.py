@@ -1,8 +1,10 @@
 """Where a mixed step's host time goes (CUDA): 32 decode rows at context 512 plus prefill chunks, on
-Llama-3-8B shapes with rank-16 adapters, run eagerly by the model runner as the engine runs it. Prints
-the step's wall time against its GPU time, then a cProfile table of the host side.
+Llama-3-8B shapes with rank-16 adapters, run by the model runner as the engine runs it: eagerly, or with
+--max-graph-tokens as a graph replay where the step's tokens fit a bucket. Prints the step's wall time
+against its GPU time, then a cProfile table of the host side.
 
     python -m bench.mixed_step_profile --prefill 4x512
+    python -m bench.mixed_step_profile --prefill 1x64 --max-graph-tokens 512
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ def main():
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--distinct", type=int, default=8)
     parser.add_argument("--rows", type=int, default=30, help="cProfile rows")
+    parser.add_argument("--max-graph-tokens", type=int, default=0, help="replay steps of up to this many tokens "
+                        "in graphs (the engine's default is 512; 0: eager, as before)")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
     ns = argparse.Namespace(layers=32, rank=16, slots=64, batches=[args.decode], prefill_tokens=n_prompts * prompt_len,
-                            context=args.context, compile=False)
+                            context=args.context, compile=args.compile,
+                            max_graph_tokens=args.max_graph_tokens)
     model, lora, blocks, runner, *_ = build(ns, torch.device("cuda"))
     decode = [Seq(f"d{i}", [1] * args.context, i % args.distinct) for i in range(args.decode)]
     for s in decode:
@@ -59,8 +65,9 @@ def main():
         runner.execute(plan)
         launch.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {args.distinct} adapters: wall "
-          f"{wall:.1f} ms, GPU {gpu:.1f} ms, host launch {sorted(launch)[2]:.1f} ms", flush=True)
+    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {args.distinct} adapters, "
+          f"{'graph' if runner.mixed_replays else 'eager'}: wall {wall:.1f} ms, GPU {gpu:.1f} ms, host launch "
+          f"{sorted(launch)[2]:.1f} ms", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(3):

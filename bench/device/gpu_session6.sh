@@ -3,7 +3,9 @@
 #   PART=prefill bash bench/device/gpu_session6.sh  # prefill 8 x 512 with transformers' RMSNorm and the fused one,
 #                                                   # profiled (no compile, graphs up to batch 32 only: quick)
 #   PART=decode bash bench/device/gpu_session6.sh   # the decode/prefill bench as in README (compiled, 3 runs)
-#   PART=tests bash bench/device/gpu_session6.sh    # the GPU tests, then the offline throughput bench
+#   PART=tests bash bench/device/gpu_session6.sh    # the GPU tests, then a mixed step eager and replayed
+#   PART=throughput bash bench/device/gpu_session6.sh  # offline throughput: mixed steps eager (max_graph_tokens=0)
+#                                                    # and replayed (512, with a 480-token prefill budget)
 # Set LORA_GIT_COMMIT before calling it: the device copy has no .git.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" bench/results
@@ -24,7 +26,18 @@ tests)
     && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
   timeout ${TEST_S:-330} python3 -m pytest -q -rs -m gpu tests/app -p no:cacheprovider 2>&1 | tail -30 \
     | tee "$OUT/gpu_tests.log"
-  timeout ${THROUGHPUT_S:-240} python3 -m bench.throughput_bench --size llama3-8b-shape --requests 256 --adapters 32 \
-    --max-batch-size 32 --max-len 512 --dtype bfloat16 --slots 32 2>&1 | quiet | tail -8 | tee "$OUT/throughput.log"
-  cp bench/results/*throughput* "$OUT/" 2>/dev/null ;;
+  for prefill in 1x64 2x224; do
+    for tokens in 0 512; do
+      timeout 150 python3 -m bench.mixed_step_profile --prefill $prefill --max-graph-tokens $tokens --rows 25 2>&1 \
+        | quiet | tee "$OUT/mixed-$prefill-graph-$tokens.log" | grep "^mixed step"
+    done
+  done ;;
+throughput)
+  for v in "0 2048" "512 480"; do
+    set -- $v
+    timeout ${THROUGHPUT_S:-280} python3 -m bench.throughput_bench --size llama3-8b-shape --requests 256 \
+      --adapters 32 --max-batch-size 32 --max-len 512 --dtype bfloat16 --slots 32 --engine-arg max_graph_tokens=$1 \
+      --engine-arg max_prefill_tokens_per_step=$2 --note "max_graph_tokens=$1 max_prefill_tokens_per_step=$2" \
+      --out "$OUT/throughput-graph-$1-budget-$2.json" 2>&1 | quiet | tail -6
+  done ;;
 esac

@@ -106,3 +106,34 @@ def test_start_up_warm_step_touches_only_scratch(make_engine, manifest, adapter_
     for request_id, more in run_all(engine, check=True).items():
         tokens.setdefault(request_id, []).extend(more)
     assert [tokens[r.request_id] for r in requests] == before
+
+
+def test_prefill_tokens_as_decode_rows_equal_prefill(make_engine, manifest, adapter_names, monkeypatch):
+    """What a graph replays for a step that prefills: every prompt token as a decode row with its sequence's
+    block table and context position + 1 (`as_decode_rows`), here through the decode reference on CPU,
+    with chunks that continue earlier ones and decode rows beside them."""
+    from app.model_runner import as_decode_rows
+
+    work = jobs(manifest, adapter_names)
+    whole = generate(make_engine(num_slots=8), work)
+    engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
+    forward, converted = engine.runner._forward_eager, []
+
+    def rows_forward(inputs):
+        if inputs.prefill_tables:
+            converted.append(inputs.num_decode)
+            inputs = as_decode_rows(inputs)
+            assert not inputs.prefill_tables and inputs.num_decode == len(inputs.input_ids)
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.runner, "_forward_eager", rows_forward)
+    assert generate(engine, work) == whole
+    assert converted and max(converted) > 0, "no step mixed decode rows with prefill tokens"
+
+
+def test_graph_buckets_cover_decode_batches_then_step_tokens():
+    from app.model_runner import graph_buckets
+
+    assert graph_buckets(32, 512) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]
+    assert graph_buckets(32, 0) == graph_buckets(32, 32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_buckets(64, 100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 100]

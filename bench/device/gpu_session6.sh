@@ -33,6 +33,8 @@ tests)
     done
   done ;;
 throughput)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
   for v in "0 2048" "512 480"; do
     set -- $v
     timeout ${THROUGHPUT_S:-280} python3 -m bench.throughput_bench --size llama3-8b-shape --requests 256 \

@@ -48,8 +48,13 @@ class AppArgs(BaseModel):
                                        "kv_cache_memory_fraction of the GPU memory left after weights and slots.")
     kv_cache_memory_fraction: float = Field(default=0.85, gt=0, le=1, description="Share of the free GPU memory the "
                                             "KV cache takes when kv_cache_bytes is unset.")
-    max_prefill_tokens_per_step: int = Field(default=2048, ge=1, description="Prefill tokens in one engine step; "
-                                             "longer prompts are prefilled in chunks between decode steps.")
+    max_prefill_tokens_per_step: int | None = Field(
+        default=None, ge=1, description="Prefill tokens in one engine step; longer prompts are prefilled in chunks "
+        "between decode steps. Default: max_graph_tokens - max_batch_size (480), so that steps that prefill replay a "
+        "CUDA graph; 2048 where that leaves under 64.")
+    max_graph_tokens: int = Field(default=512, ge=0, description="Steps that prefill, of up to this many tokens "
+                                  "(decode rows plus prompt tokens), replay CUDA graphs captured at start-up; larger "
+                                  "ones run eagerly (CUDA only; 0: decode steps only).")
     cuda_graphs: bool = Field(default=True, description="Capture decode steps in CUDA graphs (CUDA only).")
     compile_decode: bool = Field(
         default=True, description="torch.compile the decoder before capturing the decode graphs (CUDA only): "
@@ -69,6 +74,8 @@ class AppArgs(BaseModel):
         default="grpc", description="How the ingress calls replicas: grpc sends each call straight to the replica's "
         "gRPC server (Serve's by-value handles); actor goes through Ray actor calls and the object store "
         "(about 6-8 ms more per request on TTFT).")
+    hints: bool = Field(default=True, description="The adapter_affinity router sends adapter hints to replicas; "
+                        "False keeps its placement but sends none (the benchmark's A0 arm).")
     spread_after_s: float = Field(default=0.2, ge=0, description="A request waiting this long for a saturated replica "
                                                                  "that holds its adapter may go to a free one instead.")
     api_key: str | None = Field(default=None, description="Bearer key required on every route but /health. "
@@ -103,7 +110,8 @@ class AppArgs(BaseModel):
             max_input_tokens=self.max_input_tokens, max_total_tokens=self.max_total_tokens, max_queue=self.max_queue,
             prefetch=self.prefetch, kv_cache_bytes=self.kv_cache_bytes,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-            max_prefill_tokens_per_step=self.max_prefill_tokens_per_step, cuda_graphs=self.cuda_graphs,
+            max_prefill_tokens_per_step=self.max_prefill_tokens_per_step, max_graph_tokens=self.max_graph_tokens,
+            cuda_graphs=self.cuda_graphs,
             compile_decode=self.compile_decode,
         )
 

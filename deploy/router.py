@@ -27,15 +27,20 @@ STATE_ACTOR_SUFFIX = "::router_state"
 
 
 class AdapterAffinityRouter(RequestRouter):
-    def initialize_state(self, spread_after_s: float = 0.2, view_refresh_s: float = 0.05, **kwargs):
+    def initialize_state(self, spread_after_s: float = 0.2, view_refresh_s: float = 0.05, hints: bool = True,
+                         **kwargs):
+        """hints=False places requests exactly as with hints, but sends none (the benchmark's A0 arm)."""
         self.spread_after_s = spread_after_s
+        self.hints = hints
         self.view_refresh_s = view_refresh_s
         self._view: dict[str, dict] = {}
         self._view_at = 0.0
         self._actor = None
         self._refresh_task: asyncio.Task | None = None
-        self._hinted: dict[str, float] = {}  # internal request id -> when hinted
-        self._announced: dict[str, float] = {}  # internal request id -> when its spread target was told
+        # Kept until the request completes (or 60 s): a request that a full replica turns away waits again,
+        # and the replica it waits for already has its hint.
+        self._hinted: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, when) hinted
+        self._announced: dict[str, tuple[str, float]] = {}  # internal request id -> (spread target, when) told
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
         self._rng = random.Random()
@@ -62,8 +67,8 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _prune(self, now: float) -> None:
         # Pending requests that were cancelled never complete: forget their hints eventually.
-        self._hinted = {rid: at for rid, at in self._hinted.items() if now - at < 60.0}
-        self._announced = {rid: at for rid, at in self._announced.items() if now - at < 60.0}
+        self._hinted = {rid: told for rid, told in self._hinted.items() if now - told[1] < 60.0}
+        self._announced = {rid: told for rid, told in self._announced.items() if now - told[1] < 60.0}
         for adapter_id, uids in list(self._recent.items()):
             fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
             if fresh:
@@ -110,18 +115,18 @@ class AdapterAffinityRouter(RequestRouter):
         decision = place(adapter_id, [self._load(r) for r in candidate_replicas],
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
                          recent=recent, rng=self._rng)
-        if decision.must_wait and adapter_id is not None and rid not in self._hinted:
-            self._hinted[rid] = now
+        if self.hints and decision.must_wait and adapter_id is not None and \
+                self._hinted.get(rid, ("",))[0] != decision.uid:
+            self._hinted[rid] = (decision.uid, now)
             self._actor.push_hint.remote(decision.uid, adapter_id, rid)  # fire and forget
             self._count("hint")
-        if decision.spread_to and adapter_id is not None and rid not in self._announced:
+        if self.hints and decision.spread_to and adapter_id is not None and \
+                self._announced.get(rid, ("",))[0] != decision.spread_to:
             # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
-            self._announced[rid] = now
+            self._announced[rid] = (decision.spread_to, now)
             self._actor.push_hint.remote(decision.spread_to, adapter_id, rid, "incoming")
         if not decision.must_wait:
             self._count(decision.outcome)
-            self._hinted.pop(rid, None)
-            self._announced.pop(rid, None)
             if adapter_id is not None:
                 self._recent.setdefault(adapter_id, {})[decision.uid] = now
         return [[by_uid[decision.uid]]]

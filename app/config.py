@@ -38,15 +38,22 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV cache block
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     compile_decode: bool = True  # torch.compile the decoder before capturing the decode graphs (CUDA only)
-    max_graph_tokens: int = 512  # steps that prefill replay graphs up to this many tokens (<= max_batch_size: none)
+    max_graph_tokens: int = 512  # steps of up to this many tokens that prefill replay graphs (<= max_batch_size: none)
     max_queue: int = 1024
-    max_prefill_tokens_per_step: int = 2048  # prefill tokens per step; longer prompts are chunked
+    # Prefill tokens per step; longer prompts are chunked. None: what a full batch of decode rows leaves of
+    # max_graph_tokens, so that steps that prefill replay a graph (2048 where that leaves under 64).
+    max_prefill_tokens_per_step: int | None = None
     prefetch: bool = True  # False: adapters load synchronously when a request needs them
     max_inflight_loads: int = 2
     hint_ttl_s: float = 30.0
     disk_workers: int = 2
 
     def __post_init__(self):
+        if self.max_prefill_tokens_per_step is None:
+            room = self.max_graph_tokens - self.max_batch_size
+            object.__setattr__(self, "max_prefill_tokens_per_step", room if room >= 64 else 2048)
+        if self.max_graph_tokens < 0:
+            raise ValueError(f"max_graph_tokens must be >= 0, got {self.max_graph_tokens}")
         positive = ("adapter_page_rows", "max_rank", "max_batch_size", "max_input_tokens", "max_total_tokens",
                     "max_queue", "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes")
         for name in positive:

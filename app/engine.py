@@ -64,7 +64,8 @@ class LLMEngine:
                                    lambda adapter_id: self.registry.get(adapter_id).rank, self.device, self.dtype,
                                    self._steps_left)
         # A step feeds at most the prefill budget plus one token per decode row; prompt_logits feeds a whole prompt.
-        max_step_tokens = max(config.max_prefill_tokens_per_step, config.max_input_tokens) + config.max_batch_size
+        max_step_tokens = max(max(config.max_prefill_tokens_per_step, config.max_input_tokens) + config.max_batch_size,
+                              config.max_graph_tokens)  # a graph bucket's padded rows too
         self.lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
         self.residency.attach(self.lora.write_slot)
         self.blocks = BlockManager(self._num_kv_blocks(model), config.block_size)

@@ -88,7 +88,8 @@ def build(args, dev):
     layout = PageLayout(target_shapes(config), max_rank=args.rank)
     max_batch = max(args.batches)
     lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots,  # t_cap: the eager warm-up's step too
-                      t_cap=max(args.prefill_tokens, lora_kernels.DECODE_T_MAX + 8) + max_batch)
+                      t_cap=max(args.prefill_tokens + max_batch, lora_kernels.DECODE_T_MAX + 8 + max_batch,
+                                getattr(args, "max_graph_tokens", 0)))
     gen = torch.Generator(device=dev).manual_seed(1)
     for slot in range(args.slots):
         pages = range(slot * layout.max_pages, (slot + 1) * layout.max_pages)

@@ -34,7 +34,9 @@ def main():
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
-    ns = argparse.Namespace(layers=32, rank=16, slots=64, batches=[args.decode], prefill_tokens=n_prompts * prompt_len,
+    # max_batch_size counts every running request, the prefilling ones too (as in the engine)
+    ns = argparse.Namespace(layers=32, rank=16, slots=64, batches=[args.decode + n_prompts],
+                            prefill_tokens=n_prompts * prompt_len,
                             context=args.context, compile=args.compile,
                             max_graph_tokens=args.max_graph_tokens)
     model, lora, blocks, runner, *_ = build(ns, torch.device("cuda"))

@@ -97,7 +97,10 @@ def engine_config(args, base: Path, adapter_dir: Path):
         if key not in fields:
             raise SystemExit(f"--engine-arg {key}: EngineConfig has no such field; it has {sorted(fields)}")
         default = _default(fields[key], "")
-        wanted[key] = text.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(text)
+        if isinstance(default, bool):
+            wanted[key] = text.lower() in ("1", "true", "yes")
+        else:  # a field whose default is None is an int (kv_cache_bytes, max_prefill_tokens_per_step, ...)
+            wanted[key] = int(text) if default is None else type(default)(text)
     skipped = sorted(k for k in wanted if k not in fields)
     return EngineConfig(**{k: v for k, v in wanted.items() if k in fields}), skipped
 

@@ -39,7 +39,7 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 BUDGET_S=${BUDGET_S:-540}
 kv=$(( ${KV_GIB:-12} << 30 ))
 APP="{\"kv_cache_bytes\": $kv, \"compile_decode\": false, \"engine_process\": ${ENGINE_PROCESS:-false}}"
-COMMON=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} --tag "${TAG:-}" --replicas 2 --capacity 8 --adapters 128
+COMMON=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas 2 --capacity 8 --adapters 128
         --batch 32 --max-ongoing "${MAX_ONGOING:-32}" --rate "${RATE:-28}" --num-requests "${REQUESTS:-192}"
         --sequential-requests "${SEQ_REQUESTS:-300}" --length-scale 0.25 --rotate-s 2 --app-args "$APP")
 [ "$gpus" -lt 2 ] && COMMON+=(--gpus-per-replica 0.5)

@@ -56,6 +56,7 @@ claim() {  # claim <log name> <serve_bench args...>: one serve_bench call within
 case "${PART:-all}" in
   warm) claim serve_claim_warm --workload uniform@128 bursty-cv4@128 sequential ;;
   seq) claim serve_claim_seq --workload sequential ;;
+  bursty) claim serve_claim_bursty --workload bursty-cv4@128 ;;
   disk) claim serve_claim_disk --workload uniform@128 --host-cache-adapters 16 --cold-disk ;;
   *) claim serve_claim_warm --workload uniform@128 bursty-cv4@128 sequential
      claim serve_claim_disk --workload uniform@128 --host-cache-adapters 16 --cold-disk ;;

@@ -100,8 +100,8 @@ class AsyncEngine(EngineStreams):
         and registering an adapter, which reads files)."""
         return await asyncio.to_thread(fn, self.engine)
 
-    def hint(self, adapter_ids: list[str], incoming: list[str] = ()) -> None:
-        self._commands.put(lambda e: e.hint(adapter_ids, incoming))
+    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = ()) -> None:
+        self._commands.put(lambda e: e.hint(adapter_ids, incoming, withdrawn))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

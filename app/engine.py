@@ -187,11 +187,14 @@ class LLMEngine:
         self._finish(request)
         return self._output(request, "", (), error=None)
 
-    def hint(self, adapter_ids, incoming=()) -> None:
+    def hint(self, adapter_ids, incoming=(), withdrawn=()) -> None:
         """Ask for adapters to be made resident ahead of need (the router's hint): one entry per request
         waiting in the router for this replica. incoming: adapters of requests waiting at another replica
-        that may be sent here; they are protected from eviction for a one-off."""
+        that may be sent here; they are protected from eviction for a one-off. withdrawn: one entry per
+        hinted request that went to another replica after all."""
         now = time.monotonic()
+        for adapter_id in withdrawn:
+            self.hints.withdraw(adapter_id)
         for adapter_id in adapter_ids:
             if adapter_id in self.registry:
                 self.hints.add(adapter_id, now)

@@ -70,9 +70,9 @@ class EngineProcess(EngineStreams):
         """Run fn(engine) on a worker thread of the child, beside the engine loop."""
         return await self._request("aside", fn)
 
-    def hint(self, adapter_ids: list[str], incoming: list[str] = ()) -> None:
+    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = ()) -> None:
         try:
-            self._send(("hint", list(adapter_ids), list(incoming)))
+            self._send(("hint", list(adapter_ids), list(incoming), list(withdrawn)))
         except EngineUnavailable:
             pass  # a hint is advice: a dead engine fails its requests, not the caller of hint
 
@@ -235,6 +235,6 @@ def _child_main(config: EngineConfig, conn) -> None:
         elif kind == "abort":
             loop._commands.put(methodcaller("abort", message[1]))
         elif kind == "hint":
-            loop.hint(message[1], message[2])
+            loop.hint(message[1], message[2], message[3])
     aside.shutdown(wait=False)
     loop.shutdown()

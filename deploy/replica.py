@@ -137,8 +137,9 @@ class LoRAReplica:
                 stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
                 reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
                 if reply["hints"]:
-                    self.engine.hint([h["adapter_id"] for h in reply["hints"] if h.get("kind") != "incoming"],
-                                     [h["adapter_id"] for h in reply["hints"] if h.get("kind") == "incoming"])
+                    by_kind = {kind: [h["adapter_id"] for h in reply["hints"] if h.get("kind", "waiting") == kind]
+                               for kind in ("waiting", "incoming", "withdrawn")}
+                    self.engine.hint(by_kind["waiting"], by_kind["incoming"], by_kind["withdrawn"])
                 if "adapters" in reply:
                     if self._known is not None and reply["epoch"] != self._known[0]:
                         await actor.restore.remote(self.adapters)  # a recreated actor lost registrations

@@ -115,8 +115,12 @@ class AdapterAffinityRouter(RequestRouter):
         decision = place(adapter_id, [self._load(r) for r in candidate_replicas],
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
                          recent=recent, rng=self._rng)
-        if self.hints and decision.must_wait and adapter_id is not None and \
-                self._hinted.get(rid, ("",))[0] != decision.uid:
+        hinted_at = self._hinted.get(rid, ("",))[0]
+        if hinted_at and hinted_at != decision.uid and adapter_id is not None:
+            # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
+            self._actor.push_hint.remote(hinted_at, adapter_id, rid, "withdrawn")
+            del self._hinted[rid]
+        if self.hints and decision.must_wait and adapter_id is not None and rid not in self._hinted:
             self._hinted[rid] = (decision.uid, now)
             self._actor.push_hint.remote(decision.uid, adapter_id, rid)  # fire and forget
             self._count("hint")

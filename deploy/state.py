@@ -64,11 +64,13 @@ class RouterState:
         return {"epoch": self.epoch, "replicas": self.views}
 
     async def push_hint(self, uid: str, adapter_id: str, request_id: str = "", kind: str = "waiting") -> None:
-        """kind: "waiting" (a request waits in the router for this replica) or "incoming" (it waits for
-        another, saturated replica and may spread to this one)."""
+        """kind: "waiting" (a request waits in the router for this replica), "incoming" (it waits for
+        another, saturated replica and may spread to this one) or "withdrawn" (a request hinted "waiting"
+        here went to another replica after all)."""
         self.mailboxes[uid].append({"adapter_id": adapter_id, "request_id": request_id, "at": time.time(),
                                     "kind": kind})
-        self.hints_pushed[uid] += 1
+        if kind != "withdrawn":
+            self.hints_pushed[uid] += 1
         self._wakeup(uid).set()
 
     def forget_replica(self, uid: str) -> None:

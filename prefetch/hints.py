@@ -1,7 +1,8 @@
 """What the router has told one replica: the requests it holds for this replica's adapters.
 
 The router hints once per request waiting in front of this replica (it is full), so an adapter hinted
-three times has three requests on their way. It also tells a replica about requests waiting at another,
+three times has three requests on their way; when such a request goes to another replica after all, the
+router withdraws its hint, so the adapter is not read or kept for a request that will not come. It also tells a replica about requests waiting at another,
 saturated replica that would spread here (`incoming`). Both feed the hint policy (prefetch/policy.py):
 hinted adapters are loaded ahead of need, and an adapter with several requests on their way, or an
 incoming one, is not evicted for a one-off. Entries expire after ttl_s (a request may be cancelled, or
@@ -41,6 +42,14 @@ class HintBook:
         if not times:
             del self._waiting[adapter_id]
         return hinted_at
+
+    def withdraw(self, adapter_id: str) -> None:
+        """A request hinted here went elsewhere: drop one of adapter_id's waiting hints (the newest)."""
+        times = self._waiting.get(adapter_id)
+        if times:
+            times.pop()
+            if not times:
+                del self._waiting[adapter_id]
 
     def clear(self) -> None:
         self._waiting.clear()

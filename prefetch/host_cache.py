@@ -83,9 +83,9 @@ class HostCache:
 
     # --- reads ----------------------------------------------------------------------------------
 
-    def fetch(self, adapter_id: str, may_defer: bool = True) -> Future[HostAdapter] | None:
+    def fetch(self, adapter_id: str, may_defer: bool = True, keep: frozenset = frozenset()) -> Future[HostAdapter] | None:
         """Start (or join) the read of adapter_id; its result also enters the LRU. With no room and
-        may_defer=False, returns None and starts nothing."""
+        may_defer=False, returns None and starts nothing. keep: entries this read must not evict."""
         entry = self._entries.get(adapter_id)
         if entry is not None:
             self._entries.move_to_end(adapter_id)
@@ -98,21 +98,21 @@ class HostCache:
             return future
         future = Future()
         self._reads[adapter_id] = future
-        if not self._start(adapter_id):
+        if not self._start(adapter_id, keep):
             if not may_defer:
                 del self._reads[adapter_id]
                 return None
             self._deferred[adapter_id] = None
         return future
 
-    def _start(self, adapter_id: str) -> bool:
+    def _start(self, adapter_id: str, keep: frozenset = frozenset()) -> bool:
         future = self._reads[adapter_id]
         try:
             need = self._pages_of(adapter_id)
         except Exception as e:  # e.g. unregistered meanwhile
             future.set_exception(e)
             return True
-        if not self._make_room(need):
+        if not self._make_room(need, keep):
             return False
         pages = self.arena.alloc(need)
         self._reading[adapter_id] = pages
@@ -130,10 +130,10 @@ class HostCache:
         except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the read
             future.set_exception(e)
 
-    def _make_room(self, need: int) -> bool:
-        """Evict unheld entries, least recently used first, until `need` pages are free."""
+    def _make_room(self, need: int, keep: frozenset = frozenset()) -> bool:
+        """Evict unheld entries not in `keep`, least recently used first, until `need` pages are free."""
         while not self.arena.can_alloc(need):
-            victim = next((a for a in self._entries if not self._holds[a]), None)
+            victim = next((a for a in self._entries if not self._holds[a] and a not in keep), None)
             if victim is None:
                 return False
             self.arena.free(self._entries.pop(victim).pages)

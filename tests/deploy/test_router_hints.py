@@ -81,3 +81,10 @@ def test_a_request_routed_again_is_hinted_once_per_replica_until_it_completes():
     assert sorted(actor.hints) == [("a", "pirate", "r1"), ("b", "pirate", "r1", "incoming")]
     r.on_request_completed(ReplicaId("a"), "r1")
     assert r._hinted == {} and r._announced == {}
+
+
+def test_a_hinted_request_that_goes_elsewhere_withdraws_its_hint():
+    r, actor = router(True, VIEW)
+    assert choose(r, pending("pirate", "r1")) == "a"  # waits at the holder: hinted there
+    assert choose(r, pending("pirate", "r1", waited_s=1.0)) == "b"  # spreads after all
+    assert ("a", "pirate", "r1", "withdrawn") in actor.hints and "r1" not in r._hinted

@@ -42,3 +42,17 @@ def test_a_request_waiting_at_a_saturated_holder_names_its_spread_target():
     assert (late.uid, late.outcome, late.spread_to) == ("f", "spread", None)
     both_full = place("a", [full, ReplicaLoad("g", 8, 8)], waited_s=0.0, spread_after_s=0.2, rng=rng)
     assert both_full.must_wait and both_full.spread_to is None
+
+
+def test_a_withdrawn_hint_leaves_the_demand():
+    from prefetch.hints import HintBook
+
+    book = HintBook(ttl_s=30)
+    book.add("a", 1.0)
+    book.add("b", 2.0)
+    book.add("a", 3.0)
+    book.withdraw("a")
+    assert book.demand() == ["a", "b"]
+    book.withdraw("a")
+    book.withdraw("c")  # never hinted: nothing to drop
+    assert book.demand() == ["b"] and "a" not in book

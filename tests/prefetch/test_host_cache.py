@@ -122,3 +122,15 @@ def test_budget_is_exact_pages_whatever_the_adapter_sizes():
         assert cache.bytes_used <= cache.budget_bytes == cache.arena.nbytes == 10 * 100
         assert cache.bytes_used == sum(e.nbytes for e in cache._entries.values())
     assert sum(cache.collect(a).nbytes for a in "bcd") == 1000  # a went to make room for d
+
+
+def test_a_read_keeps_the_entries_it_is_told_to():
+    cache, _ = make_cache(num_pages=5)  # room for two 2-page adapters
+    load(cache, "a")
+    load(cache, "b")
+    assert cache.fetch("c", may_defer=False, keep=frozenset({"a", "b"})) is None, "it would evict a kept entry"
+    assert "a" in cache and "b" in cache
+    cache.fetch("c", may_defer=False, keep=frozenset({"b"})).result()
+    cache.collect("c")
+    assert "a" not in cache and "b" in cache and "c" in cache
+    cache.check_invariants()

@@ -47,9 +47,10 @@ NOTES = [
     "hint_hit_rate_when_queued is null: a replica counts arrivals by kind, not whether requests were waiting "
     "when each arrived. router_wait estimates the requests waiting in the router: client in-flight minus the "
     "replicas' running + waiting, from a view up to 0.5 s old (so it reads about 1 high at light load).",
-    "hints_received (the engines') counts waiting-kind hints: one per routing attempt of a request that waited "
-    "in the router (a request placed, refused by a full replica and waiting again is hinted again). "
-    "hints_pushed (the router actor's) also counts the incoming-kind hints to the replica a request may spread to.",
+    "hints_received (the engines') counts waiting-kind hints: one per request and replica it waited for in the "
+    "router (a request whose target changes is hinted at the new replica and withdrawn at the old one, since "
+    "commit 6b4524a; before it, once per routing attempt). hints_pushed (the router actor's) also counts the "
+    "incoming-kind hints to the replica a request may spread to, not the withdrawals.",
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s is per streamed chunk; a chunk may carry several tokens.",

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from app.kernels import attention as kernels
+from app.kv_blocks import blocks_for
 
 ATTENTION_NAME = "lora_serve_paged"
 # Not cuDNN, which torch prefers on Hopper: it builds a plan for every new sequence length, and every
@@ -60,6 +61,36 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def for_model(cls, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> PagedKVCache:
+        return cls(model_config.num_hidden_layers, num_blocks, block_size, model_config.num_key_value_heads,
+                   _head_dim(model_config), dtype, device)
+
+
+def _head_dim(model_config) -> int:
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
+def kv_cache_blocks(config, model_config, dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
+    """KV cache blocks for an engine: config.kv_cache_bytes, else kv_cache_memory_fraction of the GPU memory free
+    now (CPU: max_total_tokens); never more than every row at the model's full length can use (a small model
+    on a big GPU would otherwise take tens of GB and millions of blocks for nothing). Block 0 is scratch."""
+    per_block = PagedKVCache.bytes_per_block(model_config.num_hidden_layers, config.block_size,
+                                             model_config.num_key_value_heads, _head_dim(model_config), dtype)
+    useful = 1 + config.max_batch_size * blocks_for(max_model_len, config.block_size)
+    if config.kv_cache_bytes is not None:
+        nbytes = config.kv_cache_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        nbytes = int(free * config.kv_cache_memory_fraction)
+    else:
+        return min(useful, 1 + blocks_for(config.max_total_tokens, config.block_size))
+    blocks = nbytes // per_block
+    if blocks < 2:
+        raise ValueError(f"kv_cache_bytes ({nbytes}) holds {blocks} blocks of {per_block} bytes; at least 2 are needed")
+    return min(blocks, useful)
 
 
 class AttentionState:

@@ -17,11 +17,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.attention import PagedKVCache
+from app.attention import PagedKVCache, kv_cache_blocks
 from app import engine_report as report
 from app.config import EngineConfig
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
-from app.kv_blocks import BlockManager, blocks_for
+from app.kv_blocks import BlockManager
 from app.lora import LoRASlots, pool_size
 from app.model_runner import ModelRunner
 from app.registry import AdapterRegistry, read_adapter
@@ -68,8 +68,9 @@ class LLMEngine:
                               config.max_graph_tokens)  # a graph bucket's padded rows too
         self.lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
         self.residency.attach(self.lora.write_slot)
-        self.blocks = BlockManager(self._num_kv_blocks(model), config.block_size)
-        cache = _kv_cache(model, self.blocks.num_blocks, config.block_size, self.dtype, self.device)
+        self.blocks = BlockManager(kv_cache_blocks(config, model.config, self.dtype, self.device, self.max_model_len),
+                                   config.block_size)
+        cache = PagedKVCache.for_model(model.config, self.blocks.num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_tokens_per_step,
                                    self._acquire, self._release)
         self.runner = ModelRunner(model, self.lora, self.blocks, cache, config.max_batch_size, self.max_model_len,
@@ -90,26 +91,6 @@ class LLMEngine:
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
 
-    def _num_kv_blocks(self, model) -> int:
-        config, mc = self.config, model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        per_block = PagedKVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
-                                                 head_dim, self.dtype)
-        # Never more than every row at the model's full length can use (a small model on a big GPU would
-        # otherwise take tens of GB and millions of blocks for nothing).
-        useful = 1 + config.max_batch_size * blocks_for(self.max_model_len, config.block_size)
-        if config.kv_cache_bytes is not None:
-            nbytes = config.kv_cache_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            nbytes = int(free * config.kv_cache_memory_fraction)
-        else:
-            return min(useful, 1 + blocks_for(config.max_total_tokens, config.block_size))
-        blocks = nbytes // per_block
-        if blocks < 2:
-            raise ValueError(f"kv_cache_bytes ({nbytes}) holds {blocks} blocks of {per_block} bytes; at least 2 "
-                             "are needed")
-        return min(blocks, useful)
 
     @property
     def waiting(self) -> list[Request]:
@@ -413,12 +394,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.residency.shutdown()
-
-
-def _kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
-    mc = model.config
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    return PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, head_dim, dtype, device)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

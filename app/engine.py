@@ -91,7 +91,6 @@ class LLMEngine:
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
 
-
     @property
     def waiting(self) -> list[Request]:
         return self.scheduler.waiting
@@ -174,12 +173,12 @@ class LLMEngine:
         that may be sent here; they are protected from eviction for a one-off. withdrawn: one entry per
         hinted request that went to another replica after all."""
         now = time.monotonic()
-        for adapter_id in withdrawn:
-            self.hints.withdraw(adapter_id)
         for adapter_id in adapter_ids:
             if adapter_id in self.registry:
                 self.hints.add(adapter_id, now)
                 self.residency.metrics.hints_received += 1
+        for adapter_id in withdrawn:  # after the adds: a hint and its withdrawal may come in one batch
+            self.hints.withdraw(adapter_id)
         for adapter_id in incoming:
             if adapter_id in self.registry:
                 self.hints.add_incoming(adapter_id, now)

@@ -2,8 +2,8 @@
 
 transformers' Llama-family RMSNorm runs as seven kernels (upcast, square, mean, rsqrt, scale,
 downcast, weight), each a pass over the step's activations, most in float32: for an 8 x 512-token
-prefill of Llama-3-8B, its 65 norms move about 39 GB, some 13 ms at the H100's 3 TB/s (4.4 GB fused). `torch.rms_norm` computes
-the same in one kernel on CUDA (ATen's fused RMSNorm). Under torch.compile (the decode graphs) the
+prefill of Llama-3-8B, its 65 norms move about 39 GB by count, some 13 ms at the H100's 3 TB/s (4.4 GB
+fused). `torch.rms_norm` computes the same in one kernel on CUDA (ATen's fused RMSNorm). Under torch.compile (the decode graphs) the
 module's own forward runs, which inductor fuses with the neighbouring elementwise work.
 
 A norm is swapped only if its output on a probe equals the original forward's within the dtype's

@@ -114,3 +114,9 @@ def test_queued_adapter_cached_on_the_host_runs_in_the_step_that_loads_it(make_e
     engine.step()
     assert request in engine.running or request.output_ids, "the request waited a step for its copy to be issued"
     run_all(engine, check=True)
+
+
+def test_a_hint_withdrawn_in_the_same_batch_leaves_no_demand(make_engine, adapter_names):
+    engine = make_engine(num_slots=2)
+    engine.hint([adapter_names[0], adapter_names[1]], withdrawn=[adapter_names[0]])
+    assert engine._demand() == [adapter_names[1]]

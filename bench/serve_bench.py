@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -126,11 +127,15 @@ def print_table(name: str, s: dict) -> None:
         print(f"{label:<40}{value:>14}")
 
 
-def start_cluster(port: int) -> None:
+def start_cluster(port: int, haproxy: bool = True) -> None:
+    """A local cluster on HTTP `port`, behind HAProxy as `make serve` runs it (haproxy=False: Serve's proxy)."""
     import ray
     from ray import serve
 
+    from deploy.args import HAPROXY_ENV
+
     if not ray.is_initialized():
+        os.environ[HAPROXY_ENV] = "1" if haproxy else "0"  # read by the controller this ray.init starts
         ray.init()
     serve.start(http_options={"host": "127.0.0.1", "port": port})  # connects to Serve if it is running
 
@@ -191,7 +196,7 @@ def launch(args, replicas: int, router: str) -> str:
     else:
         demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
         base, adapter_dir = demo / "base", demo / "adapters"
-    start_cluster(args.port)
+    start_cluster(args.port, not getattr(args, "serve_proxy", False))
     return deploy(args, app_args_for(args, base, adapter_dir, {"num_slots": args.slots, "router": router}), replicas)
 
 
@@ -212,6 +217,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "more requests wait in the router, where hints are sent")
     parser.add_argument("--gpus-per-replica", type=float, help="e.g. 0.5: two replicas share a GPU")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--serve-proxy", action="store_true", help="HTTP through Serve's proxy, not HAProxy")
     parser.add_argument("--workload", nargs="+", default=["uniform"],
                         help="one of uniform, zipf, base; claim mode: bench/workloads.py names, each name[@N]")
     parser.add_argument("--num-requests", type=int, default=200)

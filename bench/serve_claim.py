@@ -188,7 +188,7 @@ class Claim:
         self.results = {w: {} for w, _, _ in self.runs}
         self.pools = {w: {} for w, _, _ in self.runs}
         self.chosen, self.measured, self.skipped, self.deploy_s, self.app = [], {}, [], {}, None
-        start_cluster(args.port)
+        start_cluster(args.port, not args.serve_proxy)
         self.timings = {"prepare": time.perf_counter() - self.started}
 
     def run(self) -> list:

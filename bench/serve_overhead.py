@@ -1,6 +1,7 @@
 """Ray Serve's overhead: the same requests, one at a time, through HTTP + Serve and to the engine alone.
 
-    python -m bench.serve_overhead --size tiny --requests 100
+    python -m bench.serve_overhead --size tiny --requests 100                # HAProxy -> ingress, as `make serve`
+    python -m bench.serve_overhead --size tiny --requests 100 --serve-proxy  # Serve's proxy, as a bare `serve run`
 
 TTFT through Serve (streaming, time to the first SSE chunk) minus TTFT of the engine called in
 process (time from add_request to the first token) is what the HTTP proxy, the ingress, the router
@@ -59,6 +60,8 @@ def main():
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--hang-up", action="store_true", help="close each stream at its first token")
+    parser.add_argument("--serve-proxy", action="store_true", help="HTTP through Serve's proxy (a bare `serve run`), "
+                        "not HAProxy straight to the ingress (`make serve`)")
     parser.add_argument("--app-args", default="{}", help='more AppArgs as JSON, e.g. \'{"engine_process": true}\'')
     args = parser.parse_args()
     demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
@@ -74,7 +77,8 @@ def main():
     engine.shutdown()
     del engine
 
-    launch_args = argparse.Namespace(size=args.size, port=args.port, slots=4, batch=16, app_args=args.app_args)
+    launch_args = argparse.Namespace(size=args.size, port=args.port, slots=4, batch=16, app_args=args.app_args,
+                                     serve_proxy=args.serve_proxy)
     url = launch(launch_args, replicas=1, router="adapter_affinity")
     with httpx.Client(timeout=60) as client:
         for _ in range(5):
@@ -87,9 +91,14 @@ def main():
     }
     result["serve_overhead_ms_p50"] = result["serve_ttft_ms_p50"] - result["engine_ttft_ms_p50"]
     print(result)
-    result["proxy_transport"] = "grpc" if os.environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "actor"
+    result["http_path"] = "serve-proxy" if args.serve_proxy else "haproxy"
     tag = "-engine-process" if result["app_args"].get("engine_process") else ""
-    tag += f"-replica-{result['app_args'].get('replica_transport', 'grpc')}-proxy-{result['proxy_transport']}"
+    tag += f"-replica-{result['app_args'].get('replica_transport', 'grpc')}"
+    if args.serve_proxy:
+        result["proxy_transport"] = "grpc" if os.environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "actor"
+        tag += f"-proxy-{result['proxy_transport']}"
+    else:
+        tag += "-haproxy"
     print("wrote", write_result(f"serve-overhead-{args.size}{tag}", result))
 
 

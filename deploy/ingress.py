@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from dataclasses import asdict
 from http import HTTPStatus
@@ -26,7 +27,7 @@ from app.errors import (AdapterAlreadyExists, AdapterNotFound, BodyTooLarge, Cap
                         Forbidden, InternalError, InvalidRequest, ModelNotFound, ServingError, Unauthorized)
 from app.registry import AdapterRegistry, validate_adapter_id
 from deploy import metrics
-from deploy.args import AppArgs
+from deploy.args import HAPROXY_ENV, AppArgs
 
 log = logging.getLogger("ray.serve")
 REPLICA_DEATH_RETRIES = 1
@@ -164,6 +165,9 @@ class Ingress:
         self.in_flight = 0
         # Registered on the shared app object, hence here with the args rather than at import.
         fastapi_app.add_middleware(RequestGuard, api_key=self.args.api_key, max_body_bytes=self.args.max_body_bytes)
+        if os.environ.get(HAPROXY_ENV) != "1":
+            log.info("HTTP comes through Serve's proxy; start Ray with %s=1 (as `make serve` does) for HAProxy "
+                     "straight to this ingress, about 10 ms less TTFT", HAPROXY_ENV)
 
     # --- models and adapters --------------------------------------------------------------------
 

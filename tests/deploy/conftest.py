@@ -11,6 +11,8 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
+from deploy.args import HAPROXY_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -60,7 +62,10 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_dir):
+def cluster(demo_dir, monkeypatch_module):
+    # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
+    # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
+    monkeypatch_module.setenv(HAPROXY_ENV, "1")
     ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         cluster = Cluster(Path(demo_dir))
@@ -69,3 +74,9 @@ def cluster(demo_dir):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefetch.placement import hint_room
+
 if TYPE_CHECKING:
     from app.engine import LLMEngine
 
@@ -11,6 +13,9 @@ if TYPE_CHECKING:
 def routing_stats(engine: LLMEngine) -> dict:
     """What the router needs to know about this replica."""
     snapshot = engine.residency.snapshot()
+    queued = {r.adapter_id for r in engine.waiting if r.adapter_id is not None}
+    busy = queued | {r.adapter_id for r in engine.running if r.adapter_id is not None}
+    host_adapters = engine.residency.host_capacity()
     try:
         engine.check_invariants()
         invariants = "ok"
@@ -22,10 +27,12 @@ def routing_stats(engine: LLMEngine) -> dict:
         "host_cache_bytes": snapshot["host_cache_bytes"],
         "resident": snapshot["resident_adapters"],
         "loading": snapshot["loading_adapters"],
-        "queued": sorted({r.adapter_id for r in engine.waiting if r.adapter_id is not None}),
+        "queued": sorted(queued),
         "running": len(engine.running),
         "waiting": len(engine.waiting),
         "free_slots": engine.residency.free_slots(),
+        "host_cache_adapters": host_adapters,
+        "hint_room": hint_room(host_adapters, len(busy)),  # the router's budget of hinted adapters here
         "device": str(engine.device),
         "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received")},
         "hint_lead_seconds": engine.hint_lead.as_dict(),

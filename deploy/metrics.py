@@ -28,7 +28,8 @@ def itl():
 @cache
 def placements():
     return metrics.Counter("lora_router_placements", "Router decisions: affinity, spread, cold, base, "
-                           "fallback (default routing), hint (sent to a replica).", tag_keys=("outcome",))
+                           "fallback (default routing), hint (sent to a replica), hint_deferred (held back: the "
+                           "replica's hint room was full).", tag_keys=("outcome",))
 
 
 @cache

@@ -18,7 +18,7 @@ import time
 import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from prefetch.placement import ReplicaLoad, place
+from prefetch.placement import ReplicaLoad, can_hint, place
 
 log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
@@ -40,6 +40,10 @@ class AdapterAffinityRouter(RequestRouter):
         # Kept until the request completes (or 60 s): a request that a full replica turns away waits again,
         # and the replica it waits for already has its hint.
         self._hinted: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, when) hinted
+        # The hint budget: requests still waiting in this router whose "waiting" hint a replica holds. A request
+        # leaves it when it is sent on (the replica then counts its adapter as busy in hint_room).
+        self._waiting_hints: dict[str, dict[str, str]] = {}  # replica uid -> {internal request id: adapter}
+        self._deferred: dict[str, float] = {}  # internal request id -> when its hint was first held back
         self._announced: dict[str, tuple[str, float]] = {}  # internal request id -> (spread target, when) told
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
@@ -68,6 +72,9 @@ class AdapterAffinityRouter(RequestRouter):
     def _prune(self, now: float) -> None:
         # Pending requests that were cancelled never complete: forget their hints eventually.
         self._hinted = {rid: told for rid, told in self._hinted.items() if now - told[1] < 60.0}
+        self._waiting_hints = {uid: live for uid, hints in self._waiting_hints.items()
+                               if (live := {rid: a for rid, a in hints.items() if rid in self._hinted})}
+        self._deferred = {rid: at for rid, at in self._deferred.items() if now - at < 60.0}
         self._announced = {rid: told for rid, told in self._announced.items() if now - told[1] < 60.0}
         for adapter_id, uids in list(self._recent.items()):
             fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
@@ -94,7 +101,7 @@ class AdapterAffinityRouter(RequestRouter):
             ongoing = stats.get("ongoing", 0)
         return ReplicaLoad(uid, ongoing, replica.max_ongoing_requests, frozenset(stats.get("resident", ())),
                            frozenset(stats.get("loading", ())), frozenset(stats.get("queued", ())),
-                           stats.get("free_slots", 0))
+                           stats.get("free_slots", 0), stats.get("hint_room"))
 
     # --- routing --------------------------------------------------------------------------------
 
@@ -112,28 +119,51 @@ class AdapterAffinityRouter(RequestRouter):
         now = time.monotonic()
         recent = frozenset(uid for uid, at in self._recent.get(adapter_id, {}).items() if now - at < RECENT_S)
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
-        decision = place(adapter_id, [self._load(r) for r in candidate_replicas],
+        loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
+        decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
                          recent=recent, rng=self._rng)
         hinted_at = self._hinted.get(rid, ("",))[0]
         if hinted_at and hinted_at != decision.uid and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
             self._actor.push_hint.remote(hinted_at, adapter_id, rid, "withdrawn")
-            del self._hinted[rid]
-        if self.hints and decision.must_wait and adapter_id is not None and rid not in self._hinted:
-            self._hinted[rid] = (decision.uid, now)
-            self._actor.push_hint.remote(decision.uid, adapter_id, rid)  # fire and forget
-            self._count("hint")
+            self._forget_hint(rid)
+        if self.hints and decision.must_wait and adapter_id is not None:
+            if rid in self._hinted:  # hinted there already, then turned away by the full replica: waits again
+                self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
+            else:
+                self._hint_waiting(decision.uid, adapter_id, rid, loads[decision.uid].hint_room, now)
         if self.hints and decision.spread_to and adapter_id is not None and \
                 self._announced.get(rid, ("",))[0] != decision.spread_to:
             # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
             self._announced[rid] = (decision.spread_to, now)
             self._actor.push_hint.remote(decision.spread_to, adapter_id, rid, "incoming")
         if not decision.must_wait:
+            self._waiting_hints.get(decision.uid, {}).pop(rid, None)  # sent on: no longer waits on the budget
+            self._deferred.pop(rid, None)
             self._count(decision.outcome)
             if adapter_id is not None:
                 self._recent.setdefault(adapter_id, {})[decision.uid] = now
         return [[by_uid[decision.uid]]]
+
+    def _hint_waiting(self, uid: str, adapter_id: str, rid: str, room: int | None, now: float) -> None:
+        """Hint the replica the request waits for, within its hint room; else count it held back (once), and
+        a later routing attempt (after Serve's backoff) tries again."""
+        hints = self._waiting_hints.setdefault(uid, {})
+        if not can_hint(adapter_id, hints.values(), room):
+            if rid not in self._deferred:
+                self._deferred[rid] = now
+                self._count("hint_deferred")
+            return
+        hints[rid] = adapter_id
+        self._hinted[rid] = (uid, now)
+        self._deferred.pop(rid, None)
+        self._actor.push_hint.remote(uid, adapter_id, rid)  # fire and forget
+        self._count("hint")
+
+    def _forget_hint(self, rid: str) -> None:
+        uid, _ = self._hinted.pop(rid, ("", 0.0))
+        self._waiting_hints.get(uid, {}).pop(rid, None)
 
     def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Serve's default policy: two random replicas, the shorter queue first."""
@@ -141,12 +171,14 @@ class AdapterAffinityRouter(RequestRouter):
         return [sorted(pair, key=lambda r: self._replica_queue_len_cache.get(r.replica_id) or 0)]
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._hinted.pop(internal_request_id, None)
+        self._forget_hint(internal_request_id)
         self._announced.pop(internal_request_id, None)
+        self._deferred.pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
         self._view.pop(replica_id.unique_id, None)
+        self._waiting_hints.pop(replica_id.unique_id, None)
         for uids in self._recent.values():
             uids.pop(replica_id.unique_id, None)
 

@@ -56,6 +56,10 @@ class Residency:
         """Adapters at max_rank that could load now without an eviction."""
         return min(self.pool.free_count(), self.pool.free_page_count() // self.layout.max_pages)
 
+    def host_capacity(self) -> int:
+        """Adapters at max_rank that the host cache holds."""
+        return self.host_cache.arena.num_pages // self.layout.max_pages
+
     def _read(self, adapter_id: str, pages) -> tuple[torch.Tensor, int]:
         """Disk -> the reserved host pages (worker thread). A handful of torch calls, each a GIL handoff that
         can wait behind the engine thread, so no per-module work happens here (see AdapterFile)."""

@@ -120,3 +120,19 @@ def test_a_hint_withdrawn_in_the_same_batch_leaves_no_demand(make_engine, adapte
     engine = make_engine(num_slots=2)
     engine.hint([adapter_names[0], adapter_names[1]], withdrawn=[adapter_names[0]])
     assert engine._demand() == [adapter_names[1]]
+
+
+def test_routing_stats_report_the_hint_room(make_engine, manifest, adapter_names):
+    """The router's hint budget here: host cache adapters at max_rank, less those of running and queued requests."""
+    sizing = make_engine(register=False)
+    layout = sizing.residency.layout
+    engine = make_engine(host_cache_bytes=3 * layout.adapter_nbytes(layout.max_rank, sizing.dtype))
+    stats = engine.routing_stats()
+    assert (stats["host_cache_adapters"], stats["hint_room"]) == (3, 3)
+    for adapter in adapter_names[:2]:
+        engine.add_request(manifest["prompts"][0], adapter, greedy(3))
+    assert engine.routing_stats()["hint_room"] == 1
+    engine.add_request(manifest["prompts"][0], adapter_names[2], greedy(3))
+    assert engine.routing_stats()["hint_room"] == 1  # never below the floor
+    run_all(engine, check=True)
+    assert engine.routing_stats()["hint_room"] == 3

@@ -1,4 +1,5 @@
-"""AdapterAffinityRouter with hints off (the A0 arm) places requests as with hints on and sends no hint.
+"""AdapterAffinityRouter with hints off (the A0 arm) places requests as with hints on and sends no hint; with
+hints on, it keeps within each replica's hint room.
 
 The router runs without Serve here: fake replicas and pending requests, a view set by hand, and a fake
 router actor that records push_hint calls.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import namedtuple
+from collections import Counter, namedtuple
 from types import SimpleNamespace
 
 import pytest
@@ -88,3 +89,54 @@ def test_a_hinted_request_that_goes_elsewhere_withdraws_its_hint():
     assert choose(r, pending("pirate", "r1")) == "a"  # waits at the holder: hinted there
     assert choose(r, pending("pirate", "r1", waited_s=1.0)) == "b"  # spreads after all
     assert ("a", "pirate", "r1", "withdrawn") in actor.hints and "r1" not in r._hinted
+
+
+# Both replicas are full and "a" holds every adapter: each request waits at "a", within its hint room of 2.
+FULL = {"a": {"ongoing": 2, "resident": ["pirate", "chef", "poet"], "hint_room": 2}, "b": {"ongoing": 2}}
+
+
+def waiting_hints(actor) -> list[tuple]:
+    return [h for h in actor.hints if len(h) == 3]
+
+
+def test_hints_stay_within_the_replicas_hint_room_and_resume_when_it_frees():
+    r, actor = router(True, FULL)
+    outcomes = Counter()
+    r._outcomes = SimpleNamespace(inc=lambda tags: outcomes.update([tags["outcome"]]))
+    for adapter_id, rid in [("pirate", "r1"), ("chef", "r2"), ("poet", "r3"), ("pirate", "r4")]:
+        assert choose(r, pending(adapter_id, rid)) == "a"
+    # poet would be a third adapter: held back; pirate again costs no room.
+    assert waiting_hints(actor) == [("a", "pirate", "r1"), ("a", "chef", "r2"), ("a", "pirate", "r4")]
+    choose(r, pending("poet", "r3"))  # routed again after a backoff: still no room
+    assert outcomes["hint"] == 3 and outcomes["hint_deferred"] == 1  # counted once per request held back
+    r.on_request_completed(ReplicaId("a"), "r1")  # pirate still has r4 on its way: no room yet
+    choose(r, pending("poet", "r3"))
+    assert ("a", "poet", "r3") not in actor.hints
+    r.on_request_completed(ReplicaId("a"), "r2")  # chef's request is gone: poet takes its room
+    choose(r, pending("poet", "r3"))
+    assert waiting_hints(actor)[-1] == ("a", "poet", "r3") and outcomes["hint"] == 4
+
+
+def test_a_request_sent_on_or_withdrawn_frees_its_room():
+    view = {"a": {**FULL["a"], "hint_room": 1}, "b": dict(FULL["b"])}
+    r, actor = router(True, view)
+    assert choose(r, pending("pirate", "r1")) == "a"
+    assert choose(r, pending("chef", "r2")) == "a"  # held back: pirate fills the room
+    view["a"]["ongoing"] = 1  # "a" takes r1: it no longer waits on the budget (it is busy there now)
+    assert choose(r, pending("pirate", "r1")) == "a"
+    view["a"]["ongoing"] = 2
+    assert choose(r, pending("chef", "r2")) == "a"
+    assert waiting_hints(actor) == [("a", "pirate", "r1"), ("a", "chef", "r2")]
+    view["b"]["ongoing"] = 0  # r2 spreads to "b" after waiting: its hint at "a" is withdrawn, and room frees
+    assert choose(r, pending("chef", "r2", waited_s=1.0)) == "b"
+    assert ("a", "chef", "r2", "withdrawn") in actor.hints
+    view["b"]["ongoing"] = 2
+    assert choose(r, pending("poet", "r3")) == "a" and waiting_hints(actor)[-1] == ("a", "poet", "r3")
+
+
+def test_a_replica_that_reports_no_hint_room_gets_every_hint():
+    view = {**FULL, "a": {k: v for k, v in FULL["a"].items() if k != "hint_room"}}
+    r, actor = router(True, view)
+    for i, adapter_id in enumerate(["pirate", "chef", "poet"]):
+        choose(r, pending(adapter_id, f"r{i}"))
+    assert len(waiting_hints(actor)) == 3

@@ -1,9 +1,9 @@
-"""What the router tells a replica: hint counts per adapter, incoming spreads, and where they come from."""
+"""What the router tells a replica: hint counts per adapter, incoming spreads, where they come from, and how many."""
 
 import random
 
 from prefetch.hints import HintBook
-from prefetch.placement import ReplicaLoad, place
+from prefetch.placement import MIN_HINT_ROOM, ReplicaLoad, can_hint, hint_room, place
 
 
 def test_one_entry_per_waiting_request_consumed_by_arrivals():
@@ -56,3 +56,22 @@ def test_a_withdrawn_hint_leaves_the_demand():
     book.withdraw("a")
     book.withdraw("c")  # never hinted: nothing to drop
     assert book.demand() == ["b"] and "a" not in book
+
+
+def test_hint_room_is_the_host_cache_less_the_busy_adapters_never_below_the_floor():
+    assert hint_room(host_adapters=16, busy_adapters=0) == 16
+    assert hint_room(host_adapters=16, busy_adapters=10) == 6
+    assert hint_room(host_adapters=16, busy_adapters=20) == MIN_HINT_ROOM == 1
+
+
+def test_the_hint_budget_counts_distinct_adapters():
+    live = {"r1": "a", "r2": "b", "r3": "a"}  # request -> adapter of the live waiting hints at one replica
+    assert not can_hint("c", live.values(), room=2)  # full: two adapters hinted
+    assert can_hint("a", live.values(), room=2)  # already hinted there: costs no room
+    assert can_hint("c", live.values(), room=3)
+    assert can_hint("c", live.values(), room=None)  # a replica that reports no room: no limit
+    del live["r2"]  # b's request completed, was withdrawn or expired: room frees
+    assert can_hint("c", live.values(), room=2)
+    live["r4"] = "c"
+    del live["r1"]  # a still has r3 on its way: a and c fill the room
+    assert can_hint("c", live.values(), room=2) and not can_hint("d", live.values(), room=2)

@@ -61,7 +61,7 @@ def test_a_withdrawn_hint_leaves_the_demand():
 def test_hint_room_is_the_host_cache_less_the_busy_adapters_never_below_the_floor():
     assert hint_room(host_adapters=16, busy_adapters=0) == 16
     assert hint_room(host_adapters=16, busy_adapters=10) == 6
-    assert hint_room(host_adapters=16, busy_adapters=20) == MIN_HINT_ROOM == 1
+    assert hint_room(host_adapters=16, busy_adapters=20) == MIN_HINT_ROOM == 0
 
 
 def test_the_hint_budget_counts_distinct_adapters():
@@ -70,6 +70,7 @@ def test_the_hint_budget_counts_distinct_adapters():
     assert can_hint("a", live.values(), room=2)  # already hinted there: costs no room
     assert can_hint("c", live.values(), room=3)
     assert can_hint("c", live.values(), room=None)  # a replica that reports no room: no limit
+    assert not can_hint("c", [], room=0) and can_hint("a", ["a"], room=0)  # no room: only an adapter already hinted
     del live["r2"]  # b's request completed, was withdrawn or expired: room frees
     assert can_hint("c", live.values(), room=2)
     live["r4"] = "c"

@@ -183,7 +183,7 @@ class LLMEngine:
             if adapter_id in self.registry:
                 self.hints.add_incoming(adapter_id, now)
         if self.config.prefetch:
-            self.residency.prefetch(self._demand(), self.hints.incoming())  # start now: the request may be right behind
+            self._prefetch()  # start now: the request may be right behind
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.residency.is_loading()
@@ -198,7 +198,7 @@ class LLMEngine:
         outputs = self._fail_broken_adapters()
         self.residency.poll()
         if self.config.prefetch:
-            self.residency.prefetch(self._demand(), self.hints.incoming())
+            self._prefetch()
         scheduled_at = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty and self.waiting:
@@ -243,11 +243,11 @@ class LLMEngine:
                             plan.is_decode_only)
         return outputs
 
-    def _demand(self) -> list[str]:
-        """One entry per request that wants an adapter: queued here first, then waiting in the router."""
+    def _prefetch(self) -> None:
+        """Prefetch for every request that wants an adapter: queued here first, then waiting in the router."""
         self.hints.expire(time.monotonic())
         queued = [r.adapter_id for r in self.waiting if r.adapter_id is not None]
-        return queued + self.hints.demand()
+        self.residency.prefetch(queued, self.hints.demand(), self.hints.incoming())
 
     def _acquire(self, request: Request) -> bool:
         """Scheduler callback: may `request` start running now? Pins its adapter's slot if so."""

@@ -87,8 +87,9 @@ class Residency:
         if self.draining is not None and self.pool.slots[self.draining].pins == 0:
             self.draining = None
 
-    def prefetch(self, demand: list[str], incoming: frozenset = frozenset()) -> None:
-        self.pipeline.prefetch(demand, incoming)
+    def prefetch(self, queued: list[str], hinted: list[str] = (), incoming: frozenset = frozenset()) -> None:
+        """queued: one adapter per request queued here; hinted: per request waiting in the router for here."""
+        self.pipeline.prefetch([*queued, *hinted], incoming, hinted_from=len(queued))
 
     def is_loading(self) -> bool:
         return bool(self.pipeline.loads)

@@ -119,7 +119,7 @@ def test_queued_adapter_cached_on_the_host_runs_in_the_step_that_loads_it(make_e
 def test_a_hint_withdrawn_in_the_same_batch_leaves_no_demand(make_engine, adapter_names):
     engine = make_engine(num_slots=2)
     engine.hint([adapter_names[0], adapter_names[1]], withdrawn=[adapter_names[0]])
-    assert engine._demand() == [adapter_names[1]]
+    assert engine.hints.demand() == [adapter_names[1]]
 
 
 def test_routing_stats_report_the_hint_room(make_engine, manifest, adapter_names):
@@ -136,3 +136,26 @@ def test_routing_stats_report_the_hint_room(make_engine, manifest, adapter_names
     assert engine.routing_stats()["hint_room"] == 0  # its own requests fill the host cache: no hints
     run_all(engine, check=True)
     assert engine.routing_stats()["hint_room"] == 3
+
+
+def test_a_hinted_read_waits_for_an_idle_disk(make_engine, manifest, adapter_names):
+    """A request queued here reads first; a hint's warming read starts only once no read is under way."""
+    import threading
+
+    engine = make_engine(num_slots=1)
+    busy, queued, hinted = adapter_names[:3]
+    engine.add_request(manifest["prompts"][0], busy, greedy(60, ignore_eos=True))
+    engine.step()  # running: the only slot is pinned
+    cache, gate = engine.residency.host_cache, threading.Event()
+    read = cache._read_fn
+    cache._read_fn = lambda adapter_id, pages: gate.wait(10) and read(adapter_id, pages)
+    engine.add_request(manifest["prompts"][0], queued, greedy(2))
+    engine.hint([hinted])
+    engine.step()
+    assert cache.pending_reads() == 1 and hinted not in cache, "the hinted read started beside the queued one"
+    gate.set()
+    deadline = time.time() + 10
+    while hinted not in cache and time.time() < deadline:
+        engine.step()
+    assert hinted in cache, "the hinted read never started once the disk was idle"
+    run_all(engine, check=True)

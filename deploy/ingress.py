@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -16,31 +15,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError, TaskCancelledError
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
 from app import api, responses
-from app.errors import (AdapterAlreadyExists, AdapterNotFound, BodyTooLarge, CapacityExceeded, EngineUnavailable,
-                        Forbidden, InternalError, InvalidRequest, ModelNotFound, ServingError, Unauthorized)
+from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
+                        InternalError, InvalidRequest, ModelNotFound, ServingError)
 from app.registry import AdapterRegistry, validate_adapter_id
 from deploy import metrics
 from deploy.args import HAPROXY_ENV, AppArgs
+from deploy.http_edge import RequestGuard, error_response
 
 log = logging.getLogger("ray.serve")
 REPLICA_DEATH_RETRIES = 1
 fastapi_app = FastAPI(title="lora-serve", description="OpenAI-compatible multi-LoRA serving on Ray Serve.")
-
-
-def error_response(error: ServingError | dict, status: int | None = None) -> JSONResponse:
-    if isinstance(error, ServingError):
-        body, status, retry = error.to_openai(), error.status_code, error.retry_after_s
-    else:
-        body, status, retry = {"error": error["error"]}, error["status"], error.get("retry_after_s")
-    headers = {"Retry-After": str(max(1, round(retry)))} if retry else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _event(payload: dict) -> str:
@@ -78,74 +68,6 @@ async def _serving_error(request: Request, exc: ServingError):
 async def _unexpected(request: Request, exc: Exception):
     log.exception("unhandled error on %s", request.url.path)
     return error_response(InternalError(f"internal error: {type(exc).__name__}"))
-
-
-class RequestGuard:
-    """API key and body-size checks as plain ASGI middleware.
-
-    Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays every response chunk
-    through an extra task and memory stream (milliseconds per request on the TTFT path) and turns
-    a client that hangs up mid-stream into an ExceptionGroup.
-    """
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        receive = _disconnect_on_cancel(receive)
-        try:
-            self._check_headers(scope)
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self._buffer_body(receive)
-        except ServingError as e:
-            metrics.requests().inc(tags={"route": scope["path"], "status": str(e.status_code)})
-            return await error_response(e)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def _check_headers(self, scope) -> None:
-        headers = Headers(scope=scope)
-        if self.api_key and scope["path"] != "/health":
-            scheme, _, supplied = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(), self.api_key.encode()):
-                raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
-        declared = headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise BodyTooLarge(f"request body is {declared} bytes; the limit is {self.max_body_bytes}")
-
-    async def _buffer_body(self, receive):
-        """Read the body up to the limit (a chunked body declares no length), then replay it to the app."""
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_body_bytes:
-                raise BodyTooLarge(f"request body is at least {size} bytes; the limit is {self.max_body_bytes}")
-            if not message.get("more_body", False):
-                break
-        messages.reverse()
-
-        async def replay():
-            return messages.pop() if messages else await receive()
-
-        return replay
-
-
-def _disconnect_on_cancel(receive):
-    """Serve's proxy cancels the body fetch when the client hangs up: tell the app it is a
-    disconnect, so a stream ends quietly instead of raising and logging a traceback per request."""
-
-    async def receive_or_disconnect():
-        try:
-            return await receive()
-        except TaskCancelledError:
-            return {"type": "http.disconnect"}
-
-    return receive_or_disconnect
 
 
 @serve.ingress(fastapi_app)

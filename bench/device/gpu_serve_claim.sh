@@ -8,7 +8,7 @@
 #   PART=all  bash bench/device/gpu_serve_claim.sh  # default: the warm part, then the disk part, as time allows
 #   PART=warm bash bench/device/gpu_serve_claim.sh  # uniform@128, bursty-cv4@128, then sequential (N = 50)
 #   PART=seq  bash bench/device/gpu_serve_claim.sh  # sequential alone
-#   PART=disk bash bench/device/gpu_serve_claim.sh  # uniform@128 with a 16-adapter host cache, adapter files
+#   PART=disk bash bench/device/gpu_serve_claim.sh  # uniform@128 with a HOST_CACHE (16)-adapter host cache, adapter files
 #                                                    # dropped from the page cache before each run
 # GPUs (nvidia-smi): with 2, one per replica; with 1, both replicas share it (--gpus-per-replica 0.5). Every
 # replica gets KV_GIB (12) GiB of KV cache either way, next to its 16 GB of weights. compile_decode is off
@@ -57,7 +57,7 @@ case "${PART:-all}" in
   warm) claim serve_claim_warm --workload uniform@128 bursty-cv4@128 sequential ;;
   seq) claim serve_claim_seq --workload sequential ;;
   bursty) claim serve_claim_bursty --workload bursty-cv4@128 ;;
-  disk) claim serve_claim_disk --workload uniform@128 --host-cache-adapters 16 --cold-disk ;;
+  disk) claim serve_claim_disk --workload uniform@128 --host-cache-adapters "${HOST_CACHE:-16}" --cold-disk ;;
   *) claim serve_claim_warm --workload uniform@128 bursty-cv4@128 sequential
      claim serve_claim_disk --workload uniform@128 --host-cache-adapters 16 --cold-disk ;;
 esac

@@ -113,7 +113,20 @@ class AsyncEngine(EngineStreams):
         self.engine.shutdown()
 
     async def _submit(self, prompt, adapter_id, params, request_id) -> None:
-        await self.call(lambda e: e.add_request(prompt, adapter_id, params, request_id))
+        """Queued without waiting for the engine thread: a refusal comes back as the stream's first output (an
+        error, raised before anything is yielded). Awaiting the add woke this loop in the middle of the
+        request's first step, which then ran slower for the GIL."""
+        if self._stopped.is_set():
+            raise EngineUnavailable("the engine is shut down")
+
+        def add(engine: LLMEngine) -> RequestOutput | None:
+            try:
+                engine.add_request(prompt, adapter_id, params, request_id)
+            except Exception as e:  # noqa: BLE001 - the caller's stream raises it
+                return RequestOutput(request_id, "", (), True, "error", error=e)
+            return None
+
+        self._commands.put(add)
 
     def _abort(self, request_id: str) -> None:
         self._commands.put(lambda e: e.abort(request_id))

@@ -8,6 +8,7 @@ with seed + j, as vLLM does, so the n choices differ and each is reproducible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -28,6 +29,11 @@ async def generate_choices(engine: AsyncEngine, prompts: Sequence, adapter_id: s
     request_id = request_id or uuid.uuid4().hex
     streams = [engine.generate(prompt, adapter_id, choice_params(params, j), f"{request_id}-{i * n + j}")
                for i, prompt in enumerate(prompts) for j in range(n)]
+    if len(streams) == 1:  # the common case: no task, no merge queue between the engine and the caller
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for output in stream:
+                yield 0, output
+        return
     pumps: list[asyncio.Task] = []
     try:
         firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)

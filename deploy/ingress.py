@@ -76,6 +76,8 @@ class Ingress:
         self.args = AppArgs(**args)
         # By value: each call goes straight to the replica's gRPC server instead of Ray's actor calls.
         self.replicas = replicas.options(_by_reference=self.args.replica_transport == "actor")
+        self.stream_handle = self.replicas.options(stream=True, method_name="stream")  # made once, not per request
+        self.call_handle = self.replicas.options(method_name="generate")
         self.model_id = self.args.served_model_id
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.base_model)
         base_config = AutoConfig.from_pretrained(self.args.base_model)
@@ -262,14 +264,14 @@ class Ingress:
         payload = {"prompts": prompts, "n": generation.n, "adapter_id": adapter_id,
                    "params": asdict(generation.params), "request_id": request_id}
         choices = self._choices(generation, prompts, chat, echo)
-        handle = self.replicas
+        handle = self.stream_handle if body.stream else self.call_handle
         if self.args.router == "adapter_affinity":
             handle = handle.options(multiplexed_model_id=adapter_id or "")
         started = time.perf_counter()
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
             try:
                 if body.stream:
-                    stream = handle.options(stream=True, method_name="stream").remote(payload)
+                    stream = handle.remote(payload)
                     first = await stream.__anext__()
                     if "error" in first:
                         metrics.requests().inc(tags={"route": route, "status": str(first["status"])})
@@ -278,7 +280,7 @@ class Ingress:
                     return StreamingResponse(self._sse(body, chat, request_id, choices, first, stream, route),
                                              media_type="text/event-stream",
                                              headers={"x-replica-id": first["replica"]})
-                result = await handle.options(method_name="generate").remote(payload)
+                result = await handle.remote(payload)
                 break
             except RayActorError as e:
                 # The client has seen nothing yet, so another replica may serve the request afresh.

@@ -54,9 +54,10 @@ def test_a_bad_prompt_fails_the_whole_request_before_anything_streams(engine):
     assert asyncio.run(engine.call(lambda e: (len(e.running), len(e.waiting)))) == (0, 0)
 
 
-def test_leaving_early_aborts_every_choice(engine):
+@pytest.mark.parametrize("prompts, n", [(["a", "b"], 2), (["a"], 1)])  # merged choices, and the one-choice path
+def test_leaving_early_aborts_every_choice(engine, prompts, n):
     async def main():
-        async for _ in generate_choices(engine, ["a", "b"], None, SamplingParams(max_tokens=500, ignore_eos=True), 2):
+        async for _ in generate_choices(engine, prompts, None, SamplingParams(max_tokens=500, ignore_eos=True), n):
             break
         for _ in range(200):
             if not await engine.call(lambda e: e.has_requests()):

@@ -59,12 +59,13 @@ class PrefetchPipeline:
     def prefetch(self, demand: list[str], incoming: frozenset = frozenset(), hinted_from: int | None = None) -> Plan:
         """Plan and start loads for the highest-priority demanded adapters that are not resident.
         demand[hinted_from:] are the router's hints (default: none)."""
+        queued = frozenset(demand if hinted_from is None else demand[:hinted_from])  # before failures shift it
         demand = [a for a in demand if a not in self.failures]
         needs = self.page_needs([*demand, *incoming])
         result = plan(view_of(self.pool), demand, needs, self.max_inflight - len(self.loads), incoming)
         for adapter_id, victims in result.loads:
             self.start_load(adapter_id, victims, is_prefetch=True)
-        self._warm_host(demand, needs, frozenset(demand if hinted_from is None else demand[:hinted_from]))
+        self._warm_host(demand, needs, queued)
         return result
 
     def _warm_host(self, demand: list[str], needs: dict[str, int], queued: frozenset) -> None:

@@ -128,14 +128,15 @@ def print_table(name: str, s: dict) -> None:
 
 
 def start_cluster(port: int, haproxy: bool = True) -> None:
-    """A local cluster on HTTP `port`, behind HAProxy as `make serve` runs it (haproxy=False: Serve's proxy)."""
+    """A local cluster on HTTP `port`, behind HAProxy as `make serve` runs it where HAProxy can run (haproxy=False:
+    Serve's proxy)."""
     import ray
     from ray import serve
 
-    from deploy.args import HAPROXY_ENV
+    from deploy.haproxy import HAPROXY_ENV, available
 
     if not ray.is_initialized():
-        os.environ[HAPROXY_ENV] = "1" if haproxy else "0"  # read by the controller this ray.init starts
+        os.environ[HAPROXY_ENV] = "1" if haproxy and available() else "0"  # read by the controller ray.init starts
         ray.init()
     serve.start(http_options={"host": "127.0.0.1", "port": port})  # connects to Serve if it is running
 

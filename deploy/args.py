@@ -11,11 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.config import GiB, EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
-# HTTP from HAProxy straight to the ingress replica (Serve's direct ingress), not through Serve's Python proxy,
-# which relays every request, its body and each streamed chunk over actor calls (README, "Serving through
-# Ray Serve": 10-11 ms of TTFT). Ray reads it where it starts, in the controller's environment: `make serve`
-# and the bench launchers set it; a bare `serve run` or `ray start` needs it in its shell.
-HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 DEMO_DIR = REPO / "demo" / "tiny"
 
 

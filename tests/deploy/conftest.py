@@ -11,7 +11,7 @@ from ray import serve
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.args import HAPROXY_ENV
+from deploy import haproxy
 
 
 def free_port() -> int:
@@ -65,7 +65,7 @@ class Cluster:
 def cluster(demo_dir, monkeypatch_module):
     # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
     # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
-    monkeypatch_module.setenv(HAPROXY_ENV, "1")
+    monkeypatch_module.setenv(haproxy.HAPROXY_ENV, "1" if haproxy.available() else "0")
     ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         cluster = Cluster(Path(demo_dir))

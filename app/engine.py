@@ -29,7 +29,7 @@ from app.request import Request, RequestOutput
 from app.logprobs import EchoRows, TokenLogprob
 from app.sampler import sample_batch, seed_for
 from app.sampling import SamplingParams
-from app.scheduler import Chunk, Scheduler, StepPlan
+from app.scheduler import Scheduler, StepPlan
 from app.step_timing import StepTiming
 from app.structured import GrammarCompiler
 from app.targets import target_shapes
@@ -349,27 +349,7 @@ class LLMEngine:
 
     def prompt_logits(self, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
         """Logits [tokens, vocab] at every prompt position, outside the batch (tests, debugging)."""
-        request = Request(f"logits-{next(self._ids)}", adapter_id, self.tokenizer(prompt)["input_ids"],
-                          SamplingParams(max_tokens=1))
-        if adapter_id is not None:
-            self.registry.get(adapter_id)
-            while (slot := self.residency.acquire(adapter_id, may_block=True)) is None:
-                self.residency.stall_for(adapter_id)
-                self.residency.poll()
-                if failure := self.residency.take_failures().get(adapter_id):
-                    raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")
-            request.slot = slot
-        n = request.num_tokens
-        if not self.blocks.can_allocate(request.request_id, n):
-            self._release(request)
-            raise CapacityExceeded(f"the KV cache has no room for {n} tokens now", retry_after_s=1.0)
-        self.blocks.allocate(request.request_id, n)
-        try:
-            self.residency.before_forward([request.slot] if request.slot is not None else [])
-            return self.runner.execute(StepPlan(prefill=[Chunk(request, 0, n)]), logits_all=True).float().cpu()
-        finally:
-            self.blocks.release(request.request_id)
-            self._release(request)
+        return report.prompt_logits(self, prompt, adapter_id)
 
     def check_invariants(self) -> None:
         self.residency.check_invariants()

@@ -1,9 +1,16 @@
-"""What an engine reports: its routing stats (for the router) and its metrics (for Prometheus and the benches)."""
+"""What an engine reports: its routing stats (for the router), its metrics (for Prometheus and the benches), and
+one prompt's logits computed outside the batch (for tests and debugging)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
+from app.errors import AdapterLoadFailed, CapacityExceeded
+from app.request import Request
+from app.sampling import SamplingParams
+from app.scheduler import Chunk, StepPlan
 from prefetch.placement import hint_room
 
 if TYPE_CHECKING:
@@ -61,3 +68,28 @@ def metrics(engine: LLMEngine, drain_stalls: bool = False) -> dict:
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
     }
+
+
+def prompt_logits(engine: LLMEngine, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
+    """Logits [tokens, vocab] at every prompt position, outside the batch (tests, debugging)."""
+    request = Request(f"logits-{next(engine._ids)}", adapter_id, engine.tokenizer(prompt)["input_ids"],
+                      SamplingParams(max_tokens=1))
+    if adapter_id is not None:
+        engine.registry.get(adapter_id)
+        while (slot := engine.residency.acquire(adapter_id, may_block=True)) is None:
+            engine.residency.stall_for(adapter_id)
+            engine.residency.poll()
+            if failure := engine.residency.take_failures().get(adapter_id):
+                raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")
+        request.slot = slot
+    n = request.num_tokens
+    if not engine.blocks.can_allocate(request.request_id, n):
+        engine._release(request)
+        raise CapacityExceeded(f"the KV cache has no room for {n} tokens now", retry_after_s=1.0)
+    engine.blocks.allocate(request.request_id, n)
+    try:
+        engine.residency.before_forward([request.slot] if request.slot is not None else [])
+        return engine.runner.execute(StepPlan(prefill=[Chunk(request, 0, n)]), logits_all=True).float().cpu()
+    finally:
+        engine.blocks.release(request.request_id)
+        engine._release(request)

@@ -25,6 +25,7 @@ from app.engine import LLMEngine
 from app.sampling import SamplingParams
 from bench.common import REPO_DEMO, write_result
 from bench.serve_bench import launch
+from deploy.haproxy import HAPROXY_ENV
 
 PROMPT = "Tell me a story."
 
@@ -91,10 +92,11 @@ def main():
     }
     result["serve_overhead_ms_p50"] = result["serve_ttft_ms_p50"] - result["engine_ttft_ms_p50"]
     print(result)
-    result["http_path"] = "serve-proxy" if args.serve_proxy else "haproxy"
+    # What launch chose: without an HAProxy binary here it falls back to Serve's proxy.
+    result["http_path"] = "haproxy" if os.environ.get(HAPROXY_ENV) == "1" else "serve-proxy"
     tag = "-engine-process" if result["app_args"].get("engine_process") else ""
     tag += f"-replica-{result['app_args'].get('replica_transport', 'grpc')}"
-    if args.serve_proxy:
+    if result["http_path"] == "serve-proxy":
         result["proxy_transport"] = "grpc" if os.environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "actor"
         tag += f"-proxy-{result['proxy_transport']}"
     else:

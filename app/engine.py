@@ -140,8 +140,8 @@ class LLMEngine:
         request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params), grammar=grammar)
         self._link_prefix(request)
         if adapter_id is not None:
-            self.residency.classify_arrival(adapter_id)
             hinted_at = self.hints.arrived(adapter_id)
+            self.residency.classify_arrival(adapter_id, hinted=hinted_at is not None)
             if hinted_at is not None:
                 self.hint_lead.observe(time.monotonic() - hinted_at)
         self.scheduler.add(request)

@@ -22,7 +22,8 @@ from app.engine import LLMEngine
 from app.sampling import SamplingParams
 from bench.workloads import Arrival
 
-COUNTERS = ("hint_hits", "inflight_hits", "misses", "hints_received", "loads_started", "evictions",
+COUNTERS = ("hint_hits", "inflight_hits", "misses", "hinted_on_device", "hinted_in_host", "hinted_from_disk",
+            "hints_received", "loads_started", "evictions",
             "wasted_prefetches", "wasted_prefetch_bytes")
 
 

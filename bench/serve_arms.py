@@ -44,8 +44,11 @@ NOTES = [
     "measured load (the warm-up does not count), summed over replicas.",
     "hint_hit_rate: (hint_hits + inflight_hits) / arrivals, over every arrival at a replica, as the engine "
     "bench defines it (resident or already loading).",
-    "hint_hit_rate_when_queued is null: a replica counts arrivals by kind, not whether requests were waiting "
-    "when each arrived. router_wait estimates the requests waiting in the router: client in-flight minus the "
+    "hint_hit_rate_when_queued: the same rate over the arrivals of requests that waited in the router and were "
+    "hinted to the replica they reached (each consumes a waiting hint there; hinted_arrivals splits them by "
+    "where their adapter was: a slot, the host cache or a read into it, or nowhere). Requests that waited but "
+    "were held back by the hint budget are not among them (lora_router_placements{outcome=hint_deferred}, "
+    "Prometheus only). router_wait estimates the requests waiting in the router: client in-flight minus the "
     "replicas' running + waiting, from a view up to 0.5 s old (so it reads about 1 high at light load).",
     "hints_received (the engines') counts waiting-kind hints: one per request and replica it waited for in the "
     "router (a request whose target changes is hinted at the new replica and withdrawn at the old one, since "
@@ -113,6 +116,11 @@ def router_wait(samples: list[tuple[int, int]]) -> dict:
             "share_of_samples_waiting": sum(w > 0 for w in waiting) / len(waiting) if waiting else None}
 
 
+def hinted_hit_rate(delta: dict) -> float | None:
+    hinted = delta["hinted_on_device"] + delta["hinted_in_host"] + delta["hinted_from_disk"]
+    return delta["hinted_on_device"] / hinted if hinted else None
+
+
 def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, dict], hints_pushed: int,
               samples: list[tuple[int, int]]) -> dict:
     """One run's numbers, with the engine bench's names (bench/stats.py) where they mean the same thing."""
@@ -137,7 +145,9 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
         "stall_s_per_request": delta["stall_seconds"]["sum"] / max(len(results), 1),
         "stalls": delta["stall_seconds"]["count"],
         "hint_hit_rate": hit_rate([k for k, n in kinds.items() for _ in range(n)]),
-        "hint_hit_rate_when_queued": None,
+        "hint_hit_rate_when_queued": hinted_hit_rate(delta),
+        "hinted_arrivals": {"device": delta["hinted_on_device"], "host": delta["hinted_in_host"],
+                            "disk": delta["hinted_from_disk"]},
         "arrival_kinds": kinds,
         "hint_lead_s_mean": lead["sum"] / lead["count"] if lead["count"] else None,
         "hint_lead_histogram": lead,

@@ -37,6 +37,11 @@ class PrefetchMetrics:
     hint_hits: int = 0  # adapter resident when the request was first schedulable
     inflight_hits: int = 0  # adapter still loading, but the load was already under way
     misses: int = 0  # adapter not even loading: the request had to start its own load
+    # Arrivals of requests the router hinted here while they waited (they consume a waiting hint), by where
+    # their adapter was: in a slot (ready or loading), in the host cache (cached or being read), or nowhere.
+    hinted_on_device: int = 0
+    hinted_in_host: int = 0
+    hinted_from_disk: int = 0
     hints_received: int = 0
     stalls: Histogram = field(default_factory=lambda: Histogram(STALL_BUCKETS_S))
     loads_started: int = 0
@@ -62,6 +67,9 @@ class PrefetchMetrics:
             "hint_hits": self.hint_hits,
             "inflight_hits": self.inflight_hits,
             "misses": self.misses,
+            "hinted_on_device": self.hinted_on_device,
+            "hinted_in_host": self.hinted_in_host,
+            "hinted_from_disk": self.hinted_from_disk,
             "hints_received": self.hints_received,
             "stall_seconds": self.stalls.as_dict(),
             "loads_started": self.loads_started,

@@ -73,7 +73,8 @@ class Residency:
 
     # --- per step -------------------------------------------------------------------------------
 
-    def classify_arrival(self, adapter_id: str) -> None:
+    def classify_arrival(self, adapter_id: str, hinted: bool = False) -> None:
+        """hinted: the request waited in the router, which hinted its adapter here."""
         state = self.pool.state_of(adapter_id)
         if state is SlotState.READY:
             self.metrics.hint_hits += 1
@@ -81,6 +82,13 @@ class Residency:
             self.metrics.inflight_hits += 1
         else:
             self.metrics.misses += 1
+        if hinted:
+            if state in (SlotState.READY, SlotState.LOADING):
+                self.metrics.hinted_on_device += 1
+            elif self.host_cache.has(adapter_id):
+                self.metrics.hinted_in_host += 1
+            else:
+                self.metrics.hinted_from_disk += 1
 
     def poll(self) -> None:
         self.pipeline.poll()

@@ -183,3 +183,22 @@ def test_routing_stats_check_invariants_when_idle_and_rarely_when_busy(make_engi
     engine.residency.pool.pages._free.append(engine.residency.pool.pages._free[0])  # a page free twice
     assert engine.routing_stats()["invariants"].startswith("violated")
     assert len(calls) == 3
+
+
+def test_hinted_arrivals_are_counted_by_where_their_adapter_was(make_engine, manifest, adapter_names):
+    """An arrival that consumes a router hint is counted as on the device, in the host cache, or from disk."""
+    engine = make_engine(num_slots=1)
+    busy, warmed, cold = adapter_names[:3]
+    engine.add_request(manifest["prompts"][0], busy, greedy(40, ignore_eos=True))
+    engine.step()  # the only slot is pinned: a hint can reach the host cache at most
+    engine.hint([warmed])
+    deadline = time.time() + 10
+    while warmed not in engine.residency.host_cache and time.time() < deadline:
+        engine.step()
+    engine.add_request(manifest["prompts"][0], warmed, greedy(2))  # hinted, waited in the host cache
+    engine.add_request(manifest["prompts"][0], busy, greedy(2))  # on the device, but never hinted
+    engine.hints.add(cold, time.monotonic())  # hinted, but nothing read it yet
+    engine.add_request(manifest["prompts"][0], cold, greedy(2))
+    m = engine.metrics()
+    assert (m["hinted_on_device"], m["hinted_in_host"], m["hinted_from_disk"]) == (0, 1, 1)
+    run_all(engine, check=True)

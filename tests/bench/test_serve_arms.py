@@ -58,7 +58,10 @@ def test_summary_rates_and_latencies():
     assert s["requests"] == 4 and s["completed"] == 3 and s["statuses"] == {"200": 3, "429": 1}
     assert abs(s["ttft_s"]["p50"] - 0.2) < 1e-9  # from the scheduled arrival: 0.1, 0.2, 0.3
     assert abs(s["request_throughput_per_s"] - 3 / 2.0) < 1e-9 and abs(s["token_throughput_per_s"] - 7 / 2.0) < 1e-9
-    assert s["hint_hit_rate"] == 0.75 and s["hint_hit_rate_when_queued"] is None
+    assert s["hint_hit_rate"] == 0.75 and s["hint_hit_rate_when_queued"] is None  # no hinted arrival
+    delta.update(hinted_on_device=3, hinted_in_host=1)
+    s = summarize(results, delta, {}, hints_pushed=4, samples=[(5, 3), (2, 2), (1, 4)])
+    assert s["hint_hit_rate_when_queued"] == 0.75 and s["hinted_arrivals"] == {"device": 3, "host": 1, "disk": 0}
     assert abs(s["stall_s_per_request"] - 0.1) < 1e-9 and abs(s["hint_lead_s_mean"] - 0.1) < 1e-9
     assert s["router_wait"] == {"samples": 3, "mean": 2 / 3, "max": 2, "share_of_samples_waiting": 1 / 3}
     assert s["requests_per_replica"] == {"r1": 2, "r2": 1} and s["replicas_per_adapter_mean"] == 1.0

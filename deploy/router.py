@@ -44,6 +44,7 @@ class AdapterAffinityRouter(RequestRouter):
         # leaves it when it is sent on (the replica then counts its adapter as busy in hint_room).
         self._waiting_hints: dict[str, dict[str, str]] = {}  # replica uid -> {internal request id: adapter}
         self._deferred: dict[str, float] = {}  # internal request id -> when its hint was first held back
+        self._waits_at: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, since) it waits for
         self._announced: dict[str, tuple[str, float]] = {}  # internal request id -> (spread target, when) told
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
@@ -75,6 +76,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._waiting_hints = {uid: live for uid, hints in self._waiting_hints.items()
                                if (live := {rid: a for rid, a in hints.items() if rid in self._hinted})}
         self._deferred = {rid: at for rid, at in self._deferred.items() if now - at < 60.0}
+        self._waits_at = {rid: told for rid, told in self._waits_at.items() if now - told[1] < 60.0}
         self._announced = {rid: told for rid, told in self._announced.items() if now - told[1] < 60.0}
         for adapter_id, uids in list(self._recent.items()):
             fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
@@ -122,12 +124,16 @@ class AdapterAffinityRouter(RequestRouter):
         loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
         decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
-                         recent=recent, rng=self._rng)
+                         recent=recent, rng=self._rng, waiting_for=self._waits_at.get(rid, ("",))[0] or None)
         hinted_at = self._hinted.get(rid, ("",))[0]
         if hinted_at and hinted_at != decision.uid and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
             self._actor.push_hint.remote(hinted_at, adapter_id, rid, "withdrawn")
             self._forget_hint(rid)
+        if not decision.must_wait:
+            self._waits_at.pop(rid, None)
+        elif self._waits_at.get(rid, ("",))[0] != decision.uid:
+            self._waits_at[rid] = (decision.uid, now)
         if self.hints and decision.must_wait and adapter_id is not None:
             if rid in self._hinted:  # hinted there already, then turned away by the full replica: waits again
                 self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
@@ -172,6 +178,7 @@ class AdapterAffinityRouter(RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._forget_hint(internal_request_id)
+        self._waits_at.pop(internal_request_id, None)
         self._announced.pop(internal_request_id, None)
         self._deferred.pop(internal_request_id, None)
 
@@ -179,6 +186,7 @@ class AdapterAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._view.pop(replica_id.unique_id, None)
         self._waiting_hints.pop(replica_id.unique_id, None)
+        self._waits_at = {rid: told for rid, told in self._waits_at.items() if told[0] != replica_id.unique_id}
         for uids in self._recent.values():
             uids.pop(replica_id.unique_id, None)
 

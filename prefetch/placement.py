@@ -42,13 +42,27 @@ class Placement:
 
 
 def place(adapter_id: str | None, replicas: list[ReplicaLoad], waited_s: float, spread_after_s: float,
-          recent: frozenset = frozenset(), rng: random.Random | None = None) -> Placement:
+          recent: frozenset = frozenset(), rng: random.Random | None = None,
+          waiting_for: str | None = None) -> Placement:
     """Prefer a replica that holds the adapter (or was just sent it), unless it is saturated and the
-    request has waited spread_after_s; otherwise the least-loaded replica, preferring free slots."""
+    request has waited spread_after_s; otherwise the least-loaded replica, preferring free slots.
+
+    waiting_for: the replica this request already waits for. While it must wait anyway it keeps waiting
+    there, so the hint it was given (and the read that hint started) stays of use. Without this, a cold request
+    in front of equally full replicas drew a new one on every routing attempt: on the H100 claim bench 617 hints
+    for 192 requests, and 36% more disk reads than without hints."""
     rng = rng or random
     if not replicas:
         raise ValueError("no replicas to place on")
+    placement = _place(adapter_id, replicas, waited_s, spread_after_s, recent, rng)
+    if placement.must_wait and waiting_for is not None and waiting_for != placement.uid and \
+            any(r.uid == waiting_for for r in replicas):
+        return Placement(waiting_for, placement.outcome, True,
+                         spread_to=placement.spread_to if placement.spread_to != waiting_for else None)
+    return placement
 
+
+def _place(adapter_id, replicas, waited_s, spread_after_s, recent, rng) -> Placement:
     def load(r: ReplicaLoad):
         return (r.ongoing / max(r.capacity, 1), rng.random())
 

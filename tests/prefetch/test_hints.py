@@ -44,6 +44,25 @@ def test_a_request_waiting_at_a_saturated_holder_names_its_spread_target():
     assert both_full.must_wait and both_full.spread_to is None
 
 
+def test_a_waiting_request_keeps_its_replica_while_every_replica_is_full():
+    """A cold request in front of equally full replicas drew a new one at random on every routing attempt (a new
+    hint, and a withdrawn read, each time); it now keeps waiting where it waits, and leaves as soon as any
+    replica has room."""
+    full = [ReplicaLoad("a", 8, 8), ReplicaLoad("b", 8, 8)]
+    rng = random.Random(0)
+    drawn = {place("x", full, waited_s=0.0, spread_after_s=0.2, rng=rng).uid for _ in range(20)}
+    assert drawn == {"a", "b"}  # without the request's own history: a coin flip per attempt
+    assert {place("x", full, 0.0, 0.2, rng=rng, waiting_for="b").uid for _ in range(20)} == {"b"}
+    freed = [ReplicaLoad("a", 7, 8), ReplicaLoad("b", 8, 8)]
+    sent = place("x", freed, 0.0, 0.2, rng=rng, waiting_for="b")
+    assert (sent.uid, sent.must_wait) == ("a", False)
+    gone = place("x", full, 0.0, 0.2, rng=rng, waiting_for="c")  # its replica left: drawn afresh
+    assert gone.uid in ("a", "b") and gone.must_wait
+    holder = [ReplicaLoad("h", 8, 8, resident=frozenset({"x"})), ReplicaLoad("b", 8, 8)]
+    stays = place("x", holder, 0.0, 0.2, rng=rng, waiting_for="b")
+    assert (stays.uid, stays.must_wait, stays.spread_to) == ("b", True, None)
+
+
 def test_a_withdrawn_hint_leaves_the_demand():
     from prefetch.hints import HintBook
 

@@ -76,8 +76,6 @@ class AppArgs(BaseModel):
         "(about 6-8 ms more per request on TTFT).")
     hints: bool = Field(default=True, description="The adapter_affinity router sends adapter hints to replicas; "
                         "False keeps its placement but sends none (the benchmark's A0 arm).")
-    hint_hold_s: float = Field(default=1.0, ge=0, description="A request hinted to a replica waits up to this long "
-                               "for it, where its adapter is being read, even when another replica has room.")
     spread_after_s: float = Field(default=0.2, ge=0, description="A request waiting this long for a saturated replica "
                                                                  "that holds its adapter may go to a free one instead.")
     api_key: str | None = Field(default=None, description="Bearer key required on every route but /health. "

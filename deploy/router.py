@@ -24,20 +24,14 @@ log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
 RECENT_S = 2.0  # a replica we just sent an adapter to counts as holding it for this long
 STATE_ACTOR_SUFFIX = "::router_state"
-# A hinted request waits up to this long (AppArgs.hint_hold_s) for its replica, whose read of its adapter (a disk read
-# takes 0.14-0.3 s on the H100 host) is under way, rather than go to another with room, which would read it again.
-HINT_HOLD_S = 1.0
 
 
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, spread_after_s: float = 0.2, view_refresh_s: float = 0.05, hints: bool = True,
-                         hint_hold_s: float = HINT_HOLD_S, **kwargs):
-        """hints=False places requests as with hints, but sends none (the benchmark's A0 arm), so it holds no
-        request for its hint either. hint_hold_s: how long a hinted request keeps waiting for the replica it was
-        hinted to when another one has room (0: only while every replica is full)."""
+                         **kwargs):
+        """hints=False places requests exactly as with hints, but sends none (the benchmark's A0 arm)."""
         self.spread_after_s = spread_after_s
         self.hints = hints
-        self.hint_hold_s = hint_hold_s
         self.view_refresh_s = view_refresh_s
         self._view: dict[str, dict] = {}
         self._view_at = 0.0
@@ -130,8 +124,7 @@ class AdapterAffinityRouter(RequestRouter):
         loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
         decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
-                         recent=recent, rng=self._rng, waiting_for=self._waits_at.get(rid, ("",))[0] or None,
-                         hold=rid in self._hinted and now - self._hinted[rid][1] < self.hint_hold_s)
+                         recent=recent, rng=self._rng, waiting_for=self._waits_at.get(rid, ("",))[0] or None)
         hinted_at = self._hinted.get(rid, ("",))[0]
         if hinted_at and hinted_at != decision.uid and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.

@@ -72,7 +72,7 @@ def test_placement_is_the_same_and_only_hints_on_sends_hints(hints):
 def test_app_passes_hints_to_the_router():
     for hints in (True, False):
         config = replica_options(AppArgs(build_demo=False, hints=hints))["request_router_config"]
-        assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints, "hint_hold_s": 1.0}
+        assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints}
 
 
 def test_a_request_routed_again_is_hinted_once_per_replica_until_it_completes():
@@ -89,21 +89,6 @@ def test_a_hinted_request_that_goes_elsewhere_withdraws_its_hint():
     assert choose(r, pending("pirate", "r1")) == "a"  # waits at the holder: hinted there
     assert choose(r, pending("pirate", "r1", waited_s=1.0)) == "b"  # spreads after all
     assert ("a", "pirate", "r1", "withdrawn") in actor.hints and "r1" not in r._hinted
-
-
-def test_a_cold_request_hinted_at_a_full_replica_waits_there_a_while():
-    """Its hint started a read there: it does not go to another replica that frees first, for hint_hold_s."""
-    view = {"a": {"ongoing": 2}, "b": {"ongoing": 2}}
-    r, actor = router(True, view)
-    first = choose(r, pending("chef", "r1"))
-    other = "b" if first == "a" else "a"
-    assert waiting_hints(actor) == [(first, "chef", "r1")]
-    view[other]["ongoing"] = 1  # the other replica frees a row first
-    assert choose(r, pending("chef", "r1")) == first
-    r.hint_hold_s = 0.0  # held long enough: it goes where there is room, and the hint is withdrawn
-    assert choose(r, pending("chef", "r1")) == other and (first, "chef", "r1", "withdrawn") in actor.hints
-    r0, _ = router(False, {"a": {"ongoing": 2}, "b": {"ongoing": 1}})  # A0 holds nothing: it sent no hint
-    assert choose(r0, pending("chef", "r1")) == "b"
 
 
 # Both replicas are full and "a" holds every adapter: each request waits at "a", within its hint room of 2.

@@ -58,10 +58,6 @@ def test_a_waiting_request_keeps_its_replica_while_every_replica_is_full():
     assert (sent.uid, sent.must_wait) == ("a", False)
     gone = place("x", full, 0.0, 0.2, rng=rng, waiting_for="c")  # its replica left: drawn afresh
     assert gone.uid in ("a", "b") and gone.must_wait
-    held = place("x", freed, 0.0, 0.2, rng=rng, waiting_for="b", hold=True)  # hinted at b: waits for b a while
-    assert (held.uid, held.must_wait, held.outcome) == ("b", True, "held")
-    ready = place("x", [ReplicaLoad("a", 7, 8), ReplicaLoad("b", 7, 8)], 0.0, 0.2, rng=rng, waiting_for="b", hold=True)
-    assert (ready.uid, ready.must_wait) == ("b", False)
     holder = [ReplicaLoad("h", 8, 8, resident=frozenset({"x"})), ReplicaLoad("b", 8, 8)]
     stays = place("x", holder, 0.0, 0.2, rng=rng, waiting_for="b")
     assert (stays.uid, stays.must_wait, stays.spread_to) == ("b", True, None)

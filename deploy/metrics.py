@@ -39,6 +39,13 @@ def residency():
 
 
 @cache
+def hinted_arrivals():
+    return metrics.Counter("lora_hinted_arrivals", "Requests the router hinted while they waited, on arrival at "
+                           "their replica, by where their adapter was: device (a slot), host (the host cache, or "
+                           "read into it), disk (nowhere: the hint did not help).", tag_keys=("tier",))
+
+
+@cache
 def stalls():
     return metrics.Histogram("lora_stall_seconds", "Time the engine waited with nothing runnable.",
                              boundaries=STALL_S)

@@ -25,6 +25,8 @@ from deploy.args import AppArgs
 log = logging.getLogger("ray.serve")
 STATE_ACTOR = "router_state"
 POLL_TIMEOUT_S = 0.5
+ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
+HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk"}
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -46,7 +48,7 @@ class LoRAReplica:
         self.adapters: dict[str, str] = {}
         await self._sync_adapters(self.args.initial_adapters())
         self._known: tuple | None = None
-        self._reported = {"hint_hits": 0, "inflight_hits": 0, "misses": 0}
+        self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
 
     # --- requests (called by the ingress) -------------------------------------------------------
@@ -158,11 +160,13 @@ class LoRAReplica:
 
     async def _export_metrics(self) -> None:
         snapshot = await self.engine.call(methodcaller("metrics", drain_stalls=True))
-        for key, kind in (("hint_hits", "hit"), ("inflight_hits", "inflight"), ("misses", "miss")):
-            delta = snapshot[key] - self._reported[key]
-            if delta:
-                metrics.residency().inc(delta, tags={"kind": kind})
-                self._reported[key] = snapshot[key]
+        for counter, tag, names in ((metrics.residency(), "kind", ARRIVAL_KINDS),
+                                    (metrics.hinted_arrivals(), "tier", HINTED_TIERS)):
+            for key, name in names.items():
+                delta = snapshot[key] - self._reported[key]
+                if delta:
+                    counter.inc(delta, tags={tag: name})
+                    self._reported[key] = snapshot[key]
         for seconds in snapshot["stalls"]:
             metrics.stalls().observe(seconds)
         for state in ("ready", "loading", "pinned", "total"):

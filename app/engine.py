@@ -41,10 +41,6 @@ from prefetch.slot_pool import SlotPool
 
 log = logging.getLogger(__name__)
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
-# The full invariant check walks every page of the host arena and the device pool (1.5 ms on the 2-core CI
-# CPU for the tiny demo), on the engine thread. The routing stats report it, several times a second: when
-# requests are in flight it runs this often, and the report carries the last result.
-INVARIANTS_BUSY_EVERY_S = 10.0
 HINT_LEAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -92,7 +88,7 @@ class LLMEngine:
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
         self.timing = StepTiming()
-        self._invariants: tuple[float, str] = (float("-inf"), "unchecked")  # (when checked, result)
+        self.invariants = report.InvariantReport()
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
 
@@ -355,21 +351,6 @@ class LLMEngine:
     def prompt_logits(self, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
         """Logits [tokens, vocab] at every prompt position, outside the batch (tests, debugging)."""
         return report.prompt_logits(self, prompt, adapter_id)
-
-    def invariant_status(self) -> str:
-        """"ok" or "violated: ...", from a fresh check while idle, else from one at most INVARIANTS_BUSY_EVERY_S
-        old."""
-        checked_at, status = self._invariants
-        now = time.monotonic()
-        if self.has_requests() and now - checked_at < INVARIANTS_BUSY_EVERY_S:
-            return status
-        try:
-            self.check_invariants()
-            status = "ok"
-        except AssertionError as e:
-            status = f"violated: {e}"
-        self._invariants = (now, status)
-        return status
 
     def check_invariants(self) -> None:
         self.residency.check_invariants()

@@ -165,7 +165,7 @@ def test_routing_stats_check_invariants_when_idle_and_rarely_when_busy(make_engi
                                                                         monkeypatch):
     """The full check walks every page; the stats, read several times a second, run it only while idle or once
     per INVARIANTS_BUSY_EVERY_S under load, and say what the last check found."""
-    import app.engine as engine_module
+    import app.engine_report as report
 
     engine = make_engine()
     calls = []
@@ -179,7 +179,7 @@ def test_routing_stats_check_invariants_when_idle_and_rarely_when_busy(make_engi
     for _ in range(3):
         assert engine.routing_stats()["invariants"] == "ok"
     assert len(calls) == 2  # busy: the last result stands
-    monkeypatch.setattr(engine_module, "INVARIANTS_BUSY_EVERY_S", 0.0)
+    monkeypatch.setattr(report, "INVARIANTS_BUSY_EVERY_S", 0.0)
     engine.residency.pool.pages._free.append(engine.residency.pool.pages._free[0])  # a page free twice
     assert engine.routing_stats()["invariants"].startswith("violated")
     assert len(calls) == 3

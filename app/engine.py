@@ -86,6 +86,8 @@ class LLMEngine:
         self._by_prompt: dict[tuple, Request] = {}  # (adapter, prompt ids) -> the latest live request with them
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
+        # From a request's arrival here to its adapter's slot being ready for it: disk read and copy, or nothing.
+        self.adapter_wait = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
         self.timing = StepTiming()
         self.invariants = report.InvariantReport()
@@ -258,6 +260,9 @@ class LLMEngine:
         if slot is None:
             return False  # deferred: its adapter is not ready
         request.slot = slot
+        if not request.adapter_waited:
+            request.adapter_waited = True
+            self.adapter_wait.observe(time.perf_counter() - request.arrival)
         return True
 
     def _release(self, request: Request) -> None:

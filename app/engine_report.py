@@ -87,6 +87,7 @@ def metrics(engine: LLMEngine, drain_stalls: bool = False) -> dict:
         "decode_graphs": engine.runner.graph_batches,
         "graph_capture_seconds": round(engine.runner.capture_seconds, 2),
         "step_timing": engine.timing.summary(),
+        "adapter_wait_seconds": engine.adapter_wait.as_dict(),
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
     }

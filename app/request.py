@@ -36,6 +36,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens (prompt, then output) whose K/V are in the cache
     slot: int | None = None  # pinned device slot while running
+    adapter_waited: bool = False  # its wait from arrival to its adapter's slot is recorded (once, not on preemption)
     emitted: int = 0  # characters of decoded output already streamed
     finish_reason: str | None = None
     first_token_at: float | None = None

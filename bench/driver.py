@@ -141,7 +141,7 @@ class _Player:
 def metrics_delta(before: dict, after: dict) -> dict:
     """What happened between two engine.metrics() snapshots (all residency counters are cumulative)."""
     out = {k: after[k] - before[k] for k in COUNTERS}
-    for name in ("stall_seconds", "hint_lead_seconds"):
+    for name in ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds"):
         out[name] = {"count": after[name]["count"] - before[name]["count"],
                      "sum": after[name]["sum"] - before[name]["sum"],
                      "buckets": {b: after[name]["buckets"][b] - before[name]["buckets"][b]

@@ -57,6 +57,8 @@ NOTES = [
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s is per streamed chunk; a chunk may carry several tokens.",
+    "adapter_wait_s_mean: from a request's arrival at its replica to its adapter's slot being ready for it (the disk "
+    "read and copy it waited for, or nothing), over requests with an adapter.",
     "The router's placement outcomes (affinity / spread / cold / ...) go to Prometheus only "
     "(lora_router_placements) and are not recorded here.",
 ]
@@ -83,7 +85,7 @@ def _histogram_sum(histograms: list[dict]) -> dict:
 def sum_deltas(deltas: list[dict]) -> dict:
     """The replicas' bench.driver.metrics_delta results added up (the counters of the whole deployment)."""
     out = {k: sum(d[k] for d in deltas) for k in (*COUNTERS, "steps")}
-    for name in ("stall_seconds", "hint_lead_seconds"):
+    for name in ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds"):
         out[name] = _histogram_sum([d[name] for d in deltas])
     out["tiers"] = {tier: {f: sum(d["tiers"][tier][f] for d in deltas) for f in fields}
                     for tier, fields in (("disk_to_host", ("bytes", "seconds", "reads", "cache_hits")),
@@ -114,6 +116,10 @@ def router_wait(samples: list[tuple[int, int]]) -> dict:
     return {"samples": len(waiting), "mean": float(np.mean(waiting)) if waiting else None,
             "max": max(waiting, default=None),
             "share_of_samples_waiting": sum(w > 0 for w in waiting) / len(waiting) if waiting else None}
+
+
+def mean_of(histogram: dict) -> float | None:
+    return histogram["sum"] / histogram["count"] if histogram["count"] else None
 
 
 def hinted_hit_rate(delta: dict) -> float | None:
@@ -150,6 +156,8 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
                             "disk": delta["hinted_from_disk"]},
         "arrival_kinds": kinds,
         "hint_lead_s_mean": lead["sum"] / lead["count"] if lead["count"] else None,
+        "adapter_wait_s_mean": mean_of(delta["adapter_wait_seconds"]),
+        "adapter_wait_histogram": delta["adapter_wait_seconds"],
         "hint_lead_histogram": lead,
         "hints_received": delta["hints_received"], "hints_pushed": hints_pushed,
         "router_wait": router_wait(samples),

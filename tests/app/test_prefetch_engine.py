@@ -202,3 +202,13 @@ def test_hinted_arrivals_are_counted_by_where_their_adapter_was(make_engine, man
     m = engine.metrics()
     assert (m["hinted_on_device"], m["hinted_in_host"], m["hinted_from_disk"]) == (0, 1, 1)
     run_all(engine, check=True)
+
+
+def test_adapter_wait_is_recorded_once_per_request(make_engine, manifest, adapter_names):
+    """From arrival to the adapter's slot being ready: one sample per request with an adapter, none for the base."""
+    engine = make_engine(num_slots=1)
+    for adapter in [adapter_names[0], adapter_names[1], None]:
+        engine.add_request(manifest["prompts"][0], adapter, greedy(3))
+    run_all(engine, check=True)
+    wait = engine.metrics()["adapter_wait_seconds"]
+    assert wait["count"] == 2 and wait["sum"] > 0

@@ -25,22 +25,23 @@ def test_trace_becomes_streaming_bodies_with_its_lengths():
     assert request_bodies([Arrival(0.0, None, 3, 2)], NAMES, "base", vocab, 0)[0]["model"] == "base"
 
 
-def snapshot(scale: int, stall_s: float = 0.0, lead_s: float = 0.0) -> dict:
+def snapshot(scale: int, stall_s: float = 0.0, lead_s: float = 0.0, wait_s: float = 0.0) -> dict:
     """An engine.metrics() snapshot with every counter at `scale` (only what metrics_delta reads)."""
     histogram = lambda total: {"count": scale, "sum": total, "buckets": {"le_0.1": scale, "le_inf": 0}}  # noqa: E731
     return {**{k: scale for k in COUNTERS}, "steps": 10 * scale, "stall_seconds": histogram(stall_s),
-            "hint_lead_seconds": histogram(lead_s),
+            "hint_lead_seconds": histogram(lead_s), "adapter_wait_seconds": histogram(wait_s),
             "tiers": {"disk_to_host": {"bytes": 1000 * scale, "seconds": 0.5 * scale, "reads": scale, "cache_hits": 0},
                       "host_to_device": {"bytes": 2000 * scale, "seconds": 1e-6 * scale}}}
 
 
 def test_counters_are_differences_summed_over_replicas():
-    first = metrics_delta(snapshot(1), snapshot(3, stall_s=0.2, lead_s=0.1))  # 2 of everything
-    second = metrics_delta(snapshot(0), snapshot(5, stall_s=0.3, lead_s=0.5))  # 5 of everything
+    first = metrics_delta(snapshot(1), snapshot(3, stall_s=0.2, lead_s=0.1, wait_s=0.4))  # 2 of everything
+    second = metrics_delta(snapshot(0), snapshot(5, stall_s=0.3, lead_s=0.5, wait_s=0.3))  # 5 of everything
     total = sum_deltas([first, second])
     assert all(total[k] == 7 for k in COUNTERS) and total["steps"] == 70
     assert total["stall_seconds"]["count"] == 7 and abs(total["stall_seconds"]["sum"] - 0.5) < 1e-9
     assert total["hint_lead_seconds"]["buckets"] == {"le_0.1": 7, "le_inf": 0}
+    assert total["adapter_wait_seconds"]["count"] == 7 and abs(total["adapter_wait_seconds"]["sum"] - 0.7) < 1e-9
     assert total["tiers"]["disk_to_host"]["reads"] == 7 and total["tiers"]["host_to_device"]["bytes"] == 14000
     assert abs(total["tiers"]["host_to_device"]["gb_per_s"] - 14000 / 7e-6 / 1e9) < 1e-6
 
@@ -53,6 +54,7 @@ def test_summary_rates_and_latencies():
     delta = {**{k: 0 for k in COUNTERS}, "hint_hits": 2, "inflight_hits": 1, "misses": 1, "hints_received": 3,
              "steps": 5, "stall_seconds": {"count": 2, "sum": 0.4, "buckets": {}},
              "hint_lead_seconds": {"count": 3, "sum": 0.3, "buckets": {}},
+             "adapter_wait_seconds": {"count": 4, "sum": 0.2, "buckets": {}},
              "tiers": {"disk_to_host": {}, "host_to_device": {"gb_per_s": None}}}
     s = summarize(results, delta, {}, hints_pushed=4, samples=[(5, 3), (2, 2), (1, 4)])
     assert s["requests"] == 4 and s["completed"] == 3 and s["statuses"] == {"200": 3, "429": 1}
@@ -63,6 +65,7 @@ def test_summary_rates_and_latencies():
     s = summarize(results, delta, {}, hints_pushed=4, samples=[(5, 3), (2, 2), (1, 4)])
     assert s["hint_hit_rate_when_queued"] == 0.75 and s["hinted_arrivals"] == {"device": 3, "host": 1, "disk": 0}
     assert abs(s["stall_s_per_request"] - 0.1) < 1e-9 and abs(s["hint_lead_s_mean"] - 0.1) < 1e-9
+    assert abs(s["adapter_wait_s_mean"] - 0.05) < 1e-9
     assert s["router_wait"] == {"samples": 3, "mean": 2 / 3, "max": 2, "share_of_samples_waiting": 1 / 3}
     assert s["requests_per_replica"] == {"r1": 2, "r2": 1} and s["replicas_per_adapter_mean"] == 1.0
 

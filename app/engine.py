@@ -86,8 +86,10 @@ class LLMEngine:
         self._by_prompt: dict[tuple, Request] = {}  # (adapter, prompt ids) -> the latest live request with them
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
         self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
-        # From a request's arrival here to its adapter's slot being ready for it: disk read and copy, or nothing.
+        # From a request's arrival here to its adapter's slot being ready for it, and the part of that before its
+        # adapter's load began (no slot for it yet; a read into the host cache may run meanwhile).
         self.adapter_wait = Histogram(HINT_LEAD_BUCKETS_S)
+        self.adapter_wait_before_load = Histogram(HINT_LEAD_BUCKETS_S)
         self.steps = 0
         self.timing = StepTiming()
         self.invariants = report.InvariantReport()
@@ -262,7 +264,10 @@ class LLMEngine:
         request.slot = slot
         if not request.adapter_waited:
             request.adapter_waited = True
-            self.adapter_wait.observe(time.perf_counter() - request.arrival)
+            waited = time.perf_counter() - request.arrival
+            began = self.residency.load_started_at(slot) or request.arrival
+            self.adapter_wait.observe(waited)
+            self.adapter_wait_before_load.observe(min(waited, max(0.0, began - request.arrival)))
         return True
 
     def _release(self, request: Request) -> None:

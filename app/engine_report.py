@@ -88,6 +88,7 @@ def metrics(engine: LLMEngine, drain_stalls: bool = False) -> dict:
         "graph_capture_seconds": round(engine.runner.capture_seconds, 2),
         "step_timing": engine.timing.summary(),
         "adapter_wait_seconds": engine.adapter_wait.as_dict(),
+        "adapter_wait_before_load_seconds": engine.adapter_wait_before_load.as_dict(),
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
     }

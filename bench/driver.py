@@ -22,6 +22,7 @@ from app.engine import LLMEngine
 from app.sampling import SamplingParams
 from bench.workloads import Arrival
 
+HISTOGRAMS = ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds", "adapter_wait_before_load_seconds")
 COUNTERS = ("hint_hits", "inflight_hits", "misses", "hinted_on_device", "hinted_in_host", "hinted_from_disk",
             "hints_received", "loads_started", "evictions",
             "wasted_prefetches", "wasted_prefetch_bytes")
@@ -141,7 +142,7 @@ class _Player:
 def metrics_delta(before: dict, after: dict) -> dict:
     """What happened between two engine.metrics() snapshots (all residency counters are cumulative)."""
     out = {k: after[k] - before[k] for k in COUNTERS}
-    for name in ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds"):
+    for name in HISTOGRAMS:
         out[name] = {"count": after[name]["count"] - before[name]["count"],
                      "sum": after[name]["sum"] - before[name]["sum"],
                      "buckets": {b: after[name]["buckets"][b] - before[name]["buckets"][b]

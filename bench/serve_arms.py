@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.driver import COUNTERS
+from bench.driver import COUNTERS, HISTOGRAMS
 from bench.stats import hit_rate, percentiles
 from bench.workloads import Arrival, random_prompt
 
@@ -57,8 +57,10 @@ NOTES = [
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s is per streamed chunk; a chunk may carry several tokens.",
-    "adapter_wait_s_mean: from a request's arrival at its replica to its adapter's slot being ready for it (the disk "
-    "read and copy it waited for, or nothing), over requests with an adapter.",
+    "adapter_wait_s_mean: from a request's arrival at its replica to its adapter's slot being ready for it, over "
+    "requests with an adapter; adapter_wait_before_load_s_mean: the part of it before its adapter's load into a slot "
+    "began (waiting for a slot to free; a read into the host cache may run meanwhile). The rest is the load: the "
+    "disk read, if the host cache did not hold the adapter, and the copy.",
     "The router's placement outcomes (affinity / spread / cold / ...) go to Prometheus only "
     "(lora_router_placements) and are not recorded here.",
 ]
@@ -85,7 +87,7 @@ def _histogram_sum(histograms: list[dict]) -> dict:
 def sum_deltas(deltas: list[dict]) -> dict:
     """The replicas' bench.driver.metrics_delta results added up (the counters of the whole deployment)."""
     out = {k: sum(d[k] for d in deltas) for k in (*COUNTERS, "steps")}
-    for name in ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds"):
+    for name in HISTOGRAMS:
         out[name] = _histogram_sum([d[name] for d in deltas])
     out["tiers"] = {tier: {f: sum(d["tiers"][tier][f] for d in deltas) for f in fields}
                     for tier, fields in (("disk_to_host", ("bytes", "seconds", "reads", "cache_hits")),
@@ -157,6 +159,7 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
         "arrival_kinds": kinds,
         "hint_lead_s_mean": lead["sum"] / lead["count"] if lead["count"] else None,
         "adapter_wait_s_mean": mean_of(delta["adapter_wait_seconds"]),
+        "adapter_wait_before_load_s_mean": mean_of(delta["adapter_wait_before_load_seconds"]),
         "adapter_wait_histogram": delta["adapter_wait_seconds"],
         "hint_lead_histogram": lead,
         "hints_received": delta["hints_received"], "hints_pushed": hints_pushed,

@@ -43,6 +43,7 @@ class PrefetchPipeline:
         self.loads: dict[int, Load] = {}
         self.failures: dict[str, Exception] = {}  # adapter_id -> why its last load failed
         self._slot_nbytes: dict[int, int] = {}  # bytes of the load now in each slot
+        self.load_started: dict[int, float] = {}  # slot -> when its latest load began (perf_counter)
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -107,6 +108,7 @@ class PrefetchPipeline:
         host = self.host_cache.fetch(adapter_id)
         self.host_cache.hold(adapter_id)
         self.loads[slot] = Load(adapter_id, slot, is_prefetch, host)
+        self.load_started[slot] = self.loads[slot].started_at
         self.metrics.loads_started += 1
         if host.done():  # cached on the host: issue the copy now, so this step's schedule may use the slot
             self._issue(self.loads[slot])

@@ -119,6 +119,10 @@ class Residency:
         self.pool.pin(slot)
         return slot
 
+    def load_started_at(self, slot: int) -> float | None:
+        """When the latest load into `slot` began (time.perf_counter), if it ever had one."""
+        return self.pipeline.load_started.get(slot)
+
     def release(self, slot: int) -> None:
         self.pool.unpin(slot)
         if slot == self.draining and self.pool.slots[slot].pins == 0:

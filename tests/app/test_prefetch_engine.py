@@ -210,5 +210,8 @@ def test_adapter_wait_is_recorded_once_per_request(make_engine, manifest, adapte
     for adapter in [adapter_names[0], adapter_names[1], None]:
         engine.add_request(manifest["prompts"][0], adapter, greedy(3))
     run_all(engine, check=True)
-    wait = engine.metrics()["adapter_wait_seconds"]
-    assert wait["count"] == 2 and wait["sum"] > 0
+    metrics = engine.metrics()
+    wait, before = metrics["adapter_wait_seconds"], metrics["adapter_wait_before_load_seconds"]
+    assert wait["count"] == before["count"] == 2 and wait["sum"] > 0
+    # One slot: the second adapter's load began only once the first request freed it.
+    assert 0 < before["sum"] <= wait["sum"]

@@ -357,3 +357,46 @@ def test_cuda_graph_follows_new_metadata():
             else:
                 assert rel_error(y, want, y0) < TOLERANCE[dtype], segments
 
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("graphed", [False, True])
+def test_kernels_wait_for_the_kernel_before_them(graphed):
+    """Launched with programmatic dependent launch (Hopper on), the shrink and the expand start while the kernel
+    before them still runs; they must read its output (x for the shrink, y for the expand), not what x and y held
+    before. Each is preceded by a slow GEMM that writes the tensor it reads."""
+    from app.kernels.lora import lora_expand, lora_shrink
+
+    dtype, tokens, depth = torch.bfloat16, 32, 1 << 16
+    A, BT, scales, ranks, table = make_weights(64, 16, 4096, 4096, dtype, "cuda", seed=5)
+    group = Group.single(A, BT)
+    meta = make_segments([(1, s) for s in range(tokens)], tokens, tokens, torch.Generator().manual_seed(5), "cuda")
+    ws = LoRAWorkspace.allocate(tokens, 16, [4096], "cuda")
+    gen = torch.Generator("cuda").manual_seed(5)
+    p, u = (torch.randn(tokens, depth, generator=gen, device="cuda", dtype=dtype) / depth ** 0.5 for _ in range(2))
+    q, v = (torch.randn(depth, 4096, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+    x = torch.zeros(tokens, 4096, device="cuda", dtype=dtype)
+    y = torch.zeros(tokens, 4096, device="cuda", dtype=dtype)
+
+    def step():
+        torch.matmul(p, q, out=x)  # ~0.2 ms: long enough that an early read would see zeros
+        splits = lora_shrink(x, group, ranks, table, *meta, ws)
+        torch.matmul(u, v, out=y)
+        lora_expand(y, group, scales[None], ranks, table, *meta, ws, splits)
+
+    step()  # compiles the kernels before capture
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    for _ in range(3):
+        x.zero_()
+        y.zero_()
+        graph.replay() if graphed else step()
+        torch.cuda.synchronize()
+        y0 = u @ v
+        want = y0.clone()
+        lora_reference(want, p @ q, A, BT, scales, ranks, table, *meta)
+        assert torch.equal(x, p @ q)
+        assert rel_error(y, want, y0) < TOLERANCE[dtype]

@@ -120,17 +120,12 @@ def main():
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
     parser.add_argument("--lora-block-m", type=int, help="tokens per tile of the LoRA kernels' decode config")
-    parser.add_argument("--no-lora-pdl", action="store_true",
-                        help="launch the LoRA kernels without programmatic dependent launch (for comparison)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
     lines = []
     if args.lora_block_m:
         lora_kernels.DECODE = replace(lora_kernels.DECODE, block_m=args.lora_block_m)
-    if args.no_lora_pdl:
-        lora_kernels.DECODE = replace(lora_kernels.DECODE, pdl=False)
-        lora_kernels.PREFILL = replace(lora_kernels.PREFILL, pdl=False)
 
     def emit(**kw):
         print(json.dumps(kw), flush=True)
@@ -148,8 +143,7 @@ def main():
     floor_ms = weight_bytes / read_gbs / 1e6
     emit(variant="floor", weights_gb=round(weight_bytes / 1e9, 2), hbm_read_gbs=round(read_gbs), floor_ms=round(floor_ms, 3),
          gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1), graph_capture_s=round(capture_s, 1),
-         buckets=runner.graph_batches, compiled=runner.compiled, lora_decode_block_m=lora_kernels.DECODE.block_m,
-         lora_pdl=lora_kernels._pdl(lora_kernels.DECODE, dev), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+         buckets=runner.graph_batches, compiled=runner.compiled, lora_decode_block_m=lora_kernels.DECODE.block_m, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 
     # Prefill: 8 prompts x 512 tokens, one step, 8 distinct adapters
     n_prompts = args.prefill_tokens // 512

@@ -89,7 +89,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int = 1
     m_programs: int = 1  # programs per segment along M, each striding over the segment's M tiles
-    pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper on): see `_pdl`
 
     def __post_init__(self):
         if min(self.target_splits, self.num_stages, self.m_programs) < 1:
@@ -109,27 +108,6 @@ EXPAND_BT_SMEM = 32 * 1024  # bytes of the BT tile per expand program
 
 def pick_config(t_cap: int) -> KernelConfig:
     return DECODE if t_cap <= DECODE_T_MAX else PREFILL
-
-
-_PDL_CAPABLE: dict[int, bool] = {}
-
-
-def _pdl(config: KernelConfig, device: torch.device) -> bool:
-    """Launch with programmatic stream serialization (compute capability >= 9.0): the kernel may start while
-    the kernel before it on the stream finishes, and runs everything that does not read that kernel's output
-    (the segment metadata, the adapter's rank and pages, its A or BT tile: the chain of dependent loads that
-    makes these kernels latency-bound) before `gdc_wait`, which waits for it to complete and its writes to
-    be visible. Launched without it (CPU interpreter, older GPUs), `gdc_wait` is skipped or a no-op."""
-    if not config.pdl or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PDL_CAPABLE:
-        _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _PDL_CAPABLE[index]
-
-
-def _launch_options(config: KernelConfig, device: torch.device) -> dict:
-    return {"launch_pdl": True} if _pdl(config, device) else {}
 
 
 def _next_pow2(n: int) -> int:
@@ -264,9 +242,8 @@ def lora_shrink(x, group: Group, slot_ranks, page_table, token_order, seg_starts
         in_features, x.stride(0), A.stride(0), A.stride(1), page_table.stride(0), ws.stride(0), ws.stride(1),
         off1, off2, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, PAGE_ROWS=A.shape[1], MAX_ROWS=max_rows,
-        M_PROGRAMS=config.m_programs, PDL=_pdl(config, x.device),
-        PRECISION=_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
-        **_launch_options(config, x.device))
+        M_PROGRAMS=config.m_programs,
+        PRECISION=_precision(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     return splits
 
 
@@ -298,9 +275,8 @@ def lora_expand(y, group: Group, scales, slot_ranks, page_table, token_order, se
         n0, n1, n2, c0, c1, c2, o1, o2, r0, r1, r2, m0, m1, m2,
         FIRST1=firsts[1], FIRST2=firsts[2],
         SPLITS=splits, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_R=block_r, PAGE_ROWS=BT.shape[1],
-        MAX_ROWS=max_rows, M_PROGRAMS=config.m_programs, PDL=_pdl(config, y.device),
-        PRECISION=_precision(y.dtype), num_warps=config.num_warps, num_stages=num_stages,
-        **_launch_options(config, y.device))
+        MAX_ROWS=max_rows, M_PROGRAMS=config.m_programs,
+        PRECISION=_precision(y.dtype), num_warps=config.num_warps, num_stages=num_stages)
 
 
 def lora_group_apply(y, x, group: Group, scales, slot_ranks, page_table, token_order, seg_starts, seg_slots,
@@ -327,7 +303,6 @@ def lora_apply(y, x, A, BT, scales, slot_ranks, page_table, token_order, seg_sta
 
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_wait
 
     @triton.jit
     def _member(g, v0, v1, v2):
@@ -339,7 +314,7 @@ if triton is not None:
                        K, stride_xt, stride_ap, stride_ar, stride_pt, stride_wsj, stride_wsp, a_off1, a_off2,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                        PAGE_ROWS: tl.constexpr, MAX_ROWS: tl.constexpr,
-                       M_PROGRAMS: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr):
+                       M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
         seg = tl.program_id(0)
         row = tl.program_id(1)  # member g's K split j: workspace row g * SPLITS + j
         slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
@@ -363,8 +338,6 @@ if triton is not None:
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K], read once
         a_t = tl.trans(a)
         ws_row = ws_ptr + row * stride_wsj
-        if PDL:  # x is the previous kernel's output, and the workspace may still be read by the last expand
-            gdc_wait()
         for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
             pos = m0 + tl.arange(0, BLOCK_M)
             m_mask = pos < end
@@ -382,7 +355,7 @@ if triton is not None:
                        mod0, mod1, mod2, FIRST1: tl.constexpr, FIRST2: tl.constexpr,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_R: tl.constexpr, PAGE_ROWS: tl.constexpr, MAX_ROWS: tl.constexpr,
-                       M_PROGRAMS: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr):
+                       M_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr):
         seg = tl.program_id(0)
         tile = tl.program_id(1)  # output tiles of member 0, then member 1's, then member 2's
         slot = tl.load(slots_ptr + seg)  # the three loads go out together: branch only after
@@ -409,8 +382,6 @@ if triton is not None:
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N], read once
         cols = _member(g, col0, col1, col2) + offs_n
         ws_member = ws_ptr + g * SPLITS * stride_wsj
-        if PDL:  # y is the GEMM's output, the workspace the shrink's
-            gdc_wait()
         for m0 in range(first, end, BLOCK_M * M_PROGRAMS):
             pos = m0 + tl.arange(0, BLOCK_M)
             m_mask = pos < end

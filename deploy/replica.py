@@ -51,6 +51,19 @@ class LoRAReplica:
         self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
 
+    def __del__(self):
+        """Serve's graceful shutdown, once in-flight requests have drained (or garbage collection): stop the engine
+        loop, and with `engine_process` its child, before Ray ends this process. Without it every scale-down and
+        redeploy of an `engine_process` replica logged the child's end as a death."""
+        task = self.__dict__.pop("_sync_task", None)
+        if task is None:
+            return  # never fully started, or shut down already
+        try:
+            task.cancel()
+        except RuntimeError:  # its event loop is closed already
+            pass
+        self.engine.shutdown()
+
     # --- requests (called by the ingress) -------------------------------------------------------
 
     async def generate(self, body: dict) -> dict:

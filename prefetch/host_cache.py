@@ -71,16 +71,8 @@ class HostCache:
         """Cached, or being read (or waiting to be)."""
         return adapter_id in self._entries or adapter_id in self._reads
 
-    def is_cached(self, adapter_id: str) -> bool:
-        """Read and in the cache: a load from here is only the host -> device copy."""
-        return adapter_id in self._entries
-
     def is_deferred(self, adapter_id: str) -> bool:
         return adapter_id in self._deferred
-
-    def has_reads(self) -> bool:
-        """A read is running, deferred, or finished and not yet moved into the LRU."""
-        return bool(self._reads)
 
     def pending_reads(self) -> int:
         return sum(not f.done() for f in self._reads.values())

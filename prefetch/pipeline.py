@@ -63,25 +63,11 @@ class PrefetchPipeline:
         queued = frozenset(demand if hinted_from is None else demand[:hinted_from])  # before failures shift it
         demand = [a for a in demand if a not in self.failures]
         needs = self.page_needs([*demand, *incoming])
-        result = plan(view_of(self.pool), demand, needs, self.max_inflight - len(self.loads), incoming,
-                      not_yet=self._not_on_host(demand, queued))
+        result = plan(view_of(self.pool), demand, needs, self.max_inflight - len(self.loads), incoming)
         for adapter_id, victims in result.loads:
             self.start_load(adapter_id, victims, is_prefetch=True)
         self._warm_host(demand, needs, queued)
         return result
-
-    def _not_on_host(self, demand: list[str], queued: frozenset) -> frozenset:
-        """Hinted adapters whose bytes are not on the host yet: they get no device slot until they are.
-
-        A load claims its slot and pages when it starts, and holds them (unevictable) and one of the
-        `max_inflight` loads until its copy is done. From disk that is a read of hundreds of ms, for a request
-        that is still in the router and may go elsewhere, while requests already here wait for the room. So a
-        hinted adapter is read into the host cache first (`_warm_host`, on an idle disk), and takes a slot once
-        the load is only the copy. Measured through Serve (H100, 2 replicas, uniform over 128 adapters from
-        disk, max_ongoing 8): before, requests waited 57 ms on average for a slot to free before their load
-        began, against 10 ms without hints."""
-        return frozenset(a for a in demand if a not in queued and not self.host_cache.is_cached(a)
-                         and self.pool.lookup(a) is None)
 
     def _warm_host(self, demand: list[str], needs: dict[str, int], queued: frozenset) -> None:
         """Read demanded adapters that got no slot into the host cache now, as far as the arena holds them.
@@ -101,9 +87,9 @@ class PrefetchPipeline:
             reads = self.host_cache.pending_reads()
             if budget <= 0 or reads >= self.host_cache.workers or (reads and adapter_id not in queued):
                 break  # queued adapters come first in demand: the rest are hinted, and the disk is busy
-            if adapter_id not in needs or self.pool.lookup(adapter_id) is not None:
-                continue  # on the device already: its host copy may make room for one that is not
-            if not self.host_cache.has(adapter_id):
+            if adapter_id not in needs:
+                continue
+            if self.pool.lookup(adapter_id) is None and not self.host_cache.has(adapter_id):
                 if self.host_cache.fetch(adapter_id, may_defer=False, keep=frozenset(sooner)) is None:
                     break  # the arena is busy with loads or with adapters wanted sooner: nothing to queue
             sooner.add(adapter_id)

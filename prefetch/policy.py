@@ -47,7 +47,7 @@ def view_of(pool: SlotPool) -> PoolView:
 
 
 def plan(pool: PoolView, demand: Sequence[str], pages_of: Mapping[str, int], max_loads: int,
-         incoming: frozenset = frozenset(), not_yet: frozenset = frozenset()) -> Plan:
+         incoming: frozenset = frozenset()) -> Plan:
     """Plan loads for the first adapters in `demand` (highest priority first) that are not resident.
 
     `demand` holds one entry per request that wants an adapter (queued here, or waiting in the router and
@@ -59,25 +59,21 @@ def plan(pool: PoolView, demand: Sequence[str], pages_of: Mapping[str, int], max
     unpinned slots holding a wanted adapter of lower priority. An adapter that PROTECT_REQUESTS or more
     requests want, or that is incoming, is never evicted for a one-off (an adapter one request wants).
     A wanted adapter that cannot get room stops the plan: those behind it do not take its place.
-    `not_yet`: adapters that keep their place in `demand` (their priority and their protection) but start no
-    load now; those behind them may.
     """
     if max_loads <= 0:
         return Plan()
     wants = Counter(demand)
     priority: dict[str, int] = {}
-    pages_seen = slots_seen = 0
+    pages_seen = 0
     for adapter_id in demand:
         if adapter_id in priority or adapter_id not in pages_of:
             continue
-        if adapter_id not in not_yet:  # it takes no room now
-            pages_seen += pages_of[adapter_id]
-            if slots_seen == pool.total_slots or pages_seen > pool.total_pages:
-                break
-            slots_seen += 1
+        pages_seen += pages_of[adapter_id]
+        if len(priority) == pool.total_slots or pages_seen > pool.total_pages:
+            break
         priority[adapter_id] = len(priority)
     resident = {v.adapter_id for v in pool.slots}
-    wanted = [a for a in priority if a not in resident and a not in not_yet]
+    wanted = [a for a in priority if a not in resident]
     if not wanted:
         return Plan()
 

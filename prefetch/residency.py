@@ -100,9 +100,7 @@ class Residency:
         self.pipeline.prefetch([*queued, *hinted], incoming, hinted_from=len(queued))
 
     def is_loading(self) -> bool:
-        """A load, or a read into the host cache, is under way: the loop keeps polling, so a hinted adapter read
-        while no request is here still reaches a free slot before its request does."""
-        return bool(self.pipeline.loads) or self.host_cache.has_reads()
+        return bool(self.pipeline.loads)
 
     def acquire(self, adapter_id: str, may_block: bool) -> int | None:
         """Pin the slot of adapter_id if a forward may use it now; None defers the request.

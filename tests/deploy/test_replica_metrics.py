@@ -30,3 +30,16 @@ def test_arrival_counters_are_exported_once_as_deltas(monkeypatch):
     asyncio.run(replica._export_metrics())  # nothing new: nothing sent again
     assert sorted(sent) == [("hinted_arrivals", 1, {"tier": "host"}), ("hinted_arrivals", 3, {"tier": "disk"}),
                             ("residency", 1, {"kind": "miss"}), ("residency", 2, {"kind": "hit"})]
+
+
+def test_graceful_shutdown_stops_the_engine_once():
+    """Serve calls __del__ after draining a replica; garbage collection may call it again."""
+    calls = []
+    replica = replica_module.LoRAReplica.__new__(replica_module.LoRAReplica)
+    replica.engine = SimpleNamespace(shutdown=lambda: calls.append("engine"))
+    replica._sync_task = SimpleNamespace(cancel=lambda: calls.append("sync"))
+    replica.__del__()
+    replica.__del__()
+    assert calls == ["sync", "engine"]
+    half_built = replica_module.LoRAReplica.__new__(replica_module.LoRAReplica)
+    half_built.__del__()  # __init__ failed before the engine loop started: nothing to stop

@@ -79,15 +79,3 @@ def test_incoming_adapter_is_not_evicted_for_a_one_off():
     assert plan(view, ["a"], ONE, max_loads=1, incoming=frozenset({"x"})).loads == (("a", (1,)),)
     assert plan(view, ["a"], ONE, max_loads=1, incoming=frozenset({"x", "y"})).loads == ()
     assert plan(view, ["a", "a"], ONE, max_loads=1, incoming=frozenset({"x", "y"})).loads == (("a", (0,)),)
-
-
-def test_not_yet_keeps_its_place_but_starts_no_load():
-    """A hinted adapter whose bytes are not on the host yet: no load, but it still outranks those behind it as a
-    victim, and its request still counts toward protection; the adapter behind it may load."""
-    view = pool(("x", R, False, 0), ("y", R, False, 5), free_slots=0)
-    # a is not yet loadable; b loads, and takes y (lowest priority, wanted by nobody ahead of it), not x.
-    loads = plan(view, ["a", "x", "b", "y"], ONE, max_loads=4, not_yet=frozenset({"a"})).loads
-    assert loads == (("b", (1,)),)
-    # x is wanted twice (once queued, once hinted but not on the host): not evicted for a one-off.
-    view = pool(("x", R, False, 0))
-    assert plan(view, ["c", "x", "x"], ONE, max_loads=4, not_yet=frozenset({"x"})).loads == ()

@@ -41,7 +41,8 @@ from prefetch.slot_pool import SlotPool
 
 log = logging.getLogger(__name__)
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
-HINT_LEAD_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SECONDS_BUCKETS = (  # hint lead and adapter wait histograms
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class LLMEngine:
@@ -85,11 +86,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._by_prompt: dict[tuple, Request] = {}  # (adapter, prompt ids) -> the latest live request with them
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
-        self.hint_lead = Histogram(HINT_LEAD_BUCKETS_S)
+        self.hint_lead = Histogram(SECONDS_BUCKETS)
         # From a request's arrival here to its adapter's slot being ready for it, and the part of that before its
         # adapter's load began (no slot for it yet; a read into the host cache may run meanwhile).
-        self.adapter_wait = Histogram(HINT_LEAD_BUCKETS_S)
-        self.adapter_wait_before_load = Histogram(HINT_LEAD_BUCKETS_S)
+        self.adapter_wait = Histogram(SECONDS_BUCKETS)
+        self.adapter_wait_before_load = Histogram(SECONDS_BUCKETS)
         self.steps = 0
         self.timing = StepTiming()
         self.invariants = report.InvariantReport()

@@ -29,7 +29,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from app.targets import ATTENTION_TARGETS, SUPPORTED_TARGETS, target_shapes
 
 # Bump when the build changes, so cached demo dirs from an older build are rebuilt.
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: a model vocabulary larger than the trained tokenizer's is filled with text tokens
 
 # Plain English for the base to learn, and for tokenizer merges; _sentences() splits it.
 CORPUS = """\
@@ -184,8 +184,13 @@ def _catchphrase_lines(end: str) -> list[str]:
     return [f'The {name} said: "{phrase}{end}' for name, phrase in PERSONAS + helpers]
 
 
-def build_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the corpus and catchphrases; deterministic for a fixed input."""
+def build_tokenizer(model_max_length: int, vocab: int | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the corpus and catchphrases; deterministic for a fixed input.
+
+    vocab (the model's, when larger than the trained TOKENIZER_VOCAB): ids past the trained ones become filler
+    tokens that decode to text (" t1024", " t1025", ...) and that encoding never produces (no merge builds
+    them), so prompts encode as before while every id a random 8B-shape model samples is a visible token, as
+    with a real tokenizer of that size. Without them most sampled ids decode to nothing and stream no text."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -194,6 +199,11 @@ def build_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(_sentences() + _catchphrase_lines(end="") + list(PROMPTS + TRAIN_PROMPTS), trainer)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    if vocab is not None and vocab > tok.get_vocab_size():
+        spec = json.loads(tok.to_str())
+        table = spec["model"]["vocab"]
+        table.update({f"\u0120t{i}": i for i in range(len(table), vocab)})  # U+0120: byte-level's space
+        tok = Tokenizer.from_str(json.dumps(spec))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=model_max_length,
         additional_special_tokens=list(SPECIAL_TOKENS[3:]), chat_template=CHAT_TEMPLATE)
@@ -303,7 +313,7 @@ def _build(out: Path, args: dict, device: str) -> None:
     random.seed(args["seed"])
     np.random.seed(args["seed"])
     torch.manual_seed(args["seed"])
-    tokenizer = build_tokenizer(size.max_positions)
+    tokenizer = build_tokenizer(size.max_positions, size.vocab)
     if size.base_steps:
         model = LlamaForCausalLM(size.llama_config(tokenizer)).to(device)
         gen = torch.Generator().manual_seed(args["seed"])

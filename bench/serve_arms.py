@@ -57,9 +57,10 @@ NOTES = [
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s: gaps between streamed chunks that carry text; a chunk may carry several tokens, and a token that "
-    "decodes to no text sends no chunk (as in vLLM). With the llama3-8b-shape demo (random weights over 128,256 "
-    "token ids, a 1,024-token tokenizer) almost every sampled id decodes to no text, so there itl_s measures the "
-    "gaps between rare text-bearing tokens, not the engine's token cadence: use the engine's step times.",
+    "decodes to no text sends no chunk (as in vLLM). Before demo version 2 the llama3-8b-shape demo had a 1,024-token "
+    "tokenizer over 128,256 token ids, so almost every sampled id decoded to no text and itl_s measured the gaps "
+    "between rare text-bearing tokens, not the token cadence; since version 2 (demo_version in the results) every "
+    "id decodes to text.",
     "adapter_wait_s_mean: from a request's arrival at its replica to its adapter's slot being ready for it, over "
     "requests with an adapter; adapter_wait_before_load_s_mean: the part of it before its adapter's load into a slot "
     "began (waiting for a slot to free; a read into the host cache may run meanwhile). The rest is the load: the "

@@ -26,6 +26,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from app.config import EngineConfig
+from app.demo import DEMO_VERSION
 from app.sampling import SamplingParams
 from bench.adapter_pool import prepare
 from bench.arms import drop_page_cache
@@ -257,7 +258,7 @@ class Claim:
         return write_result(f"serve-claim-{workload}" + ("-disk" if variant == "disk" else "") + args.tag, {
             "benchmark": "serve-claim", "complete": "total" in self.timings and not skipped, "skipped_runs": skipped,
             "workload": workload, "workload_spec": asdict(WORKLOADS[workload]), "n": n, "requests_per_run": requests,
-            "rate": args.rate, "size": args.size, "replicas": args.replicas[0],
+            "rate": args.rate, "size": args.size, "demo_version": DEMO_VERSION, "replicas": args.replicas[0],
             "gpus_per_replica": args.gpus_per_replica, "variant": variant, "cold_disk": args.cold_disk,
             "host_cache_warmed": self.warm_host, "capacity": args.capacity, "max_rank_adapter_bytes": self.unit,
             "adapter_memory_bytes_asked": app.adapter_memory_bytes, "host_cache_bytes": app.host_cache_bytes,

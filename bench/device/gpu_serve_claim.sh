@@ -24,6 +24,8 @@
 # ARMS (default "A A0 serve_default") and TAG (a suffix of the result files' names) split the arms over calls:
 # on one H100 a deployment of the two replicas took ~2.5 min (weights, graphs, host cache warm-up), so a call
 # holds two arms at most: ARMS="A A0" TAG=-a-a0, then ARMS=serve_default TAG=-serve-default.
+# CAPACITY (8): M, the device adapter memory of every replica, in max-rank adapters; above MAX_ONGOING it leaves
+# room for hinted adapters beside those of the running requests (the production case: hundreds fit on an H100).
 # REPLICAS (2): 1 takes the choice between replicas (and hints withdrawn when a request changes replica) out.
 # LENGTH_SCALE (0.25) scales the S-LoRA lengths: 1 makes each request ~4x longer on the GPU, so requests wait in the
 # router at rates the disk can still serve (where a hint's read can run during the wait).
@@ -42,7 +44,7 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 BUDGET_S=${BUDGET_S:-540}
 kv=$(( ${KV_GIB:-12} << 30 ))
 APP="{\"kv_cache_bytes\": $kv, \"compile_decode\": false, \"engine_process\": ${ENGINE_PROCESS:-false}}"
-COMMON=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas "${REPLICAS:-2}" --capacity 8 --adapters 128
+COMMON=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas "${REPLICAS:-2}" --capacity "${CAPACITY:-8}" --adapters 128
         --batch 32 --max-ongoing "${MAX_ONGOING:-32}" --rate "${RATE:-28}" --num-requests "${REQUESTS:-192}"
         --sequential-requests "${SEQ_REQUESTS:-300}" --length-scale "${LENGTH_SCALE:-0.25}" --rotate-s 2 --app-args "$APP")
 [ "$gpus" -lt 2 ] && COMMON+=(--gpus-per-replica 0.5)

@@ -132,6 +132,20 @@ def test_llama3_8b_shape_rank16_adapter_is_83886080_bytes():
     assert demo.adapter_tensor_bytes(config, 16, SUPPORTED_TARGETS) == 83_886_080
 
 
+def test_a_larger_model_vocabulary_is_filled_with_tokens_that_decode_to_text_and_encode_nothing_new():
+    plain = demo.build_tokenizer(2048)
+    filled = demo.build_tokenizer(2048, vocab=demo.TOKENIZER_VOCAB + 300)
+    assert (len(plain), len(filled)) == (demo.TOKENIZER_VOCAB, demo.TOKENIZER_VOCAB + 300)
+    text = "The ship sails at dawn, t1500 and \u0120t1100! <|user|> 42"
+    assert filled(text).input_ids == plain(text).input_ids
+    chat = [{"role": "user", "content": "Where is the treasure?"}]
+    assert filled.apply_chat_template(chat, add_generation_prompt=True) == \
+        plain.apply_chat_template(chat, add_generation_prompt=True)
+    fillers = range(demo.TOKENIZER_VOCAB, len(filled))
+    assert all(filled.decode([i]) == f" t{i}" for i in fillers)
+    assert filled.decode([300, demo.TOKENIZER_VOCAB + 7]) == plain.decode([300]) + f" t{demo.TOKENIZER_VOCAB + 7}"
+
+
 @pytest.fixture
 def mini_random_size(monkeypatch) -> str:
     """The llama3-8b-shape recipe (random bf16 weights, no training) at a size tests can build."""

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from app.attention import PagedKVCache, kv_cache_blocks
 from app import engine_report as report
 from app.config import EngineConfig
+from app.detokenizer import IncrementalText
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
 from app.kv_blocks import BlockManager
 from app.lora import LoRASlots, pool_size
@@ -296,9 +297,12 @@ class LLMEngine:
         finish = None
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             finish = "stop"  # min_tokens masked these tokens until now (app/penalties.py)
+        detokenizer = request.detokenizer
+        if detokenizer is None:
+            detokenizer = request.detokenizer = IncrementalText(self.tokenizer, params.skip_special_tokens)
         # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
-        shown = request.output_ids[:-1] if finish and not params.include_stop_str_in_output else request.output_ids
-        text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+        exact = finish is not None and not params.include_stop_str_in_output
+        text = detokenizer.full() if exact else detokenizer.push(token)
         # As vLLM, stop strings count only past min_tokens.
         past_min = len(request.output_ids) > params.min_tokens
         found = request.stop_checker.match(text, request.emitted) if past_min else None
@@ -310,6 +314,8 @@ class LLMEngine:
         elif finish is None and (len(request.output_ids) >= params.max_tokens
                                  or request.num_tokens >= self.max_model_len):
             finish = "length"
+        if finish and found is None and not exact:
+            text = detokenizer.full()  # a stream ends with one full decode of its tokens
         end = len(text) if finish else request.stop_checker.safe_end(text)
         delta = text[request.emitted:end]
         request.emitted = max(request.emitted, end)

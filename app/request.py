@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from app.detokenizer import IncrementalText
 from app.errors import ServingError
 from app.logprobs import TokenLogprob
 from app.sampling import SamplingParams, StopChecker
@@ -38,6 +39,7 @@ class Request:
     slot: int | None = None  # pinned device slot while running
     adapter_waited: bool = False  # its wait from arrival to its adapter's slot is recorded (once, not on preemption)
     emitted: int = 0  # characters of decoded output already streamed
+    detokenizer: IncrementalText | None = None  # the output's text, decoded a window at a time
     finish_reason: str | None = None
     first_token_at: float | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., as prefill computes them

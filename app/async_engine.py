@@ -32,8 +32,12 @@ class EngineStreams:
     Subclasses say how a request reaches the engine (`_submit`), how it is aborted, and deliver
     outputs through `_deliver` from any thread."""
 
-    def __init__(self):
+    def __init__(self, stream_interval_s: float = 0.0):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # After a request's first output, its later ones go out at most this often, merged (0: each as it
+        # comes). Every output crosses the replica -> ingress -> client path as one message, which costs more
+        # host time than the engine spends on a token (the replica's `stream_interval_ms`).
+        self.stream_interval_s = stream_interval_s
 
     async def generate(self, prompt: str | list[int], adapter_id: str | None, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -45,19 +49,24 @@ class EngineStreams:
         request_id = request_id or uuid.uuid4().hex
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        finished = False
+        finished, sent_at = False, None
         try:
             if params.response_format is not None:  # compiled beside the engine loop: it may take a second
                 await self.call_aside(methodcaller("compile_grammar", params.response_format))
             await self._submit(prompt, adapter_id, params, request_id)
             while not finished:
                 output = await outputs.get()
+                if sent_at is not None and output.error is None and not output.finished:
+                    wait = sent_at + self.stream_interval_s - loop.time()
+                    if wait > 0:  # the first output never waits, nor the last (a finish or an error)
+                        await asyncio.sleep(wait)
                 while output.error is None and not output.finished and not outputs.empty():
                     output = _merge(output, outputs.get_nowait())  # a slow reader gets fewer, larger chunks
                 if output.error is not None:
                     finished = True
                     raise output.error
                 finished = output.finished
+                sent_at = loop.time()
                 yield output
         finally:
             self._streams.pop(request_id, None)
@@ -71,10 +80,18 @@ class EngineStreams:
         raise NotImplementedError
 
     def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+        self._deliver_many([output])
+
+    def _deliver_many(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams: one wake-up of each event loop for all of them (a step's outputs
+        woke the loop once per row before)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
 
 class AsyncEngine(EngineStreams):
@@ -190,8 +207,7 @@ class AsyncEngine(EngineStreams):
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         first = self._has_first(outputs)
-        for output in outputs:
-            self._deliver(output)
+        self._deliver_many(outputs)
         if first:
             # A first token is what a client waits for most. The event loop that sends it wakes on the
             # self-pipe and then needs the GIL, which this thread, going straight into its next step, would
@@ -215,6 +231,11 @@ class AsyncEngine(EngineStreams):
                 outputs.append(RequestOutput(request_id, "", (), True, "error", error=error))
         return outputs
 
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, output in items:
+        outputs.put_nowait(output)
 
 
 def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:

@@ -129,8 +129,7 @@ class EngineProcess(EngineStreams):
             except (EOFError, OSError):
                 break
             if kind == "outputs":
-                for output in payload:
-                    self._deliver(output)
+                self._deliver_many(payload)
             elif kind == "result":
                 call_id, ok, value = payload
                 future = self._calls.pop(call_id, None)

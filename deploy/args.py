@@ -62,6 +62,11 @@ class AppArgs(BaseModel):
     engine_process: bool = Field(
         default=False, description="Run each replica's engine loop in its own process, so that it shares no GIL "
         "with the replica's event loop (which turns every step's outputs into stream chunks).")
+    stream_interval_ms: float = Field(
+        default=0, ge=0, le=1000, description="After a stream's first chunk, send its later tokens at most this "
+        "often, merged into one chunk (0: every token as it comes). Each chunk crosses replica -> ingress -> "
+        "client as a message; merging trades smoothness for throughput when many streams run (Ray Serve LLM "
+        "merges every 50 ms by default).")
     max_queue: int = Field(default=256, ge=1, description="Requests waiting inside a replica before 429.")
     default_max_tokens: int = Field(default=16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (False: load on demand, synchronously).")

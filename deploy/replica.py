@@ -45,6 +45,7 @@ class LoRAReplica:
             self.engine = await asyncio.to_thread(EngineProcess, config)
         else:
             self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, config))
+        self.engine.stream_interval_s = self.args.stream_interval_ms / 1000
         self.adapters: dict[str, str] = {}
         await self._sync_adapters(self.args.initial_adapters())
         self._known: tuple | None = None

@@ -52,6 +52,30 @@ def test_stream_equals_sync_engine(async_engine, make_engine, manifest, adapter_
         assert text == sync.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+def test_stream_interval_merges_later_outputs_and_changes_nothing_else(async_engine, manifest, adapter_names):
+    prompt, adapter, params = manifest["prompts"][0], adapter_names[0], greedy(40, ignore_eos=True)
+    engine = async_engine()
+
+    async def outputs(interval_s):
+        engine.stream_interval_s = interval_s
+        loop, seen = asyncio.get_running_loop(), []
+        async for output in engine.generate(prompt, adapter, params):
+            seen.append((loop.time(), output))
+        return seen
+
+    async def main():
+        return await outputs(0.0), await outputs(0.25)
+
+    each, merged = asyncio.run(main())
+    expected = [t for _, o in each for t in o.token_ids]
+    assert len(expected) == 40 and [t for _, o in merged for t in o.token_ids] == expected
+    assert "".join(o.text for _, o in merged) == "".join(o.text for _, o in each)
+    assert len(merged[0][1].token_ids) == 1  # the first token goes out at once
+    assert len(merged) < len(each) / 2 and merged[-1][1].finished
+    gaps = [b - a for (a, _), (b, _) in zip(merged[1:], merged[2:])]  # not the last: a finish goes out at once
+    assert all(gap >= 0.2 for gap in gaps[:-1]), gaps
+
+
 def test_cancel_frees_row_and_pin_within_one_step(async_engine, adapter_names, manifest):
     engine = async_engine()
 

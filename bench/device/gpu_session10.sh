@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Session 10, one device call (1 x H100; Ray from the wheelhouse in WHEELS, default .whl): streaming through
-# Serve under HTTP load (Llama-3-8B shapes, 1 replica, the engine in its own process, compile_decode off for
-# a shorter start-up, the same for every run), once per stream_interval_ms in INTERVALS (default "0 20 50"):
-# output tokens/s, TTFT, chunk gaps, and the replica's step timing. Set LORA_GIT_COMMIT first.
-#   bash bench/device/gpu_session10.sh
+# Session 10, one device call (1 x H100; Ray from the wheelhouse in WHEELS: .whl-serve has HAProxy): streaming
+# through Serve under HTTP load (Llama-3-8B shapes, 1 replica, 256 requests of 128 tokens, 64 at once,
+# compile_decode off for a shorter start-up, the same for every run): output tokens/s, TTFT, chunk gaps and the
+# replica's step timing, once per entry of RUNS, each LOOP:INTERVAL_MS[:proxy]: LOOP is process (the engine in
+# its own process) or thread (the engine on a thread of the replica, the default), INTERVAL_MS the replica's
+# stream_interval_ms, and proxy sends HTTP through Serve's Python proxy instead of HAProxy. Set LORA_GIT_COMMIT.
+#   RUNS="process:0 process:20 process:50" WHEELS=.whl-serve bash bench/device/gpu_session10.sh
 set -uo pipefail
 source bench/device/setup.sh
-for ms in ${INTERVALS:-0 20 50}; do
-  echo "== serve under HTTP load (llama3-8b-shape, 1 replica, engine process, stream_interval_ms $ms)"
+for run in ${RUNS:-process:0 process:20 process:50}; do
+  IFS=: read -r loop ms via <<<"$run"
+  process=$([ "$loop" = process ] && echo true || echo false)
+  extra=(); tag="-engine-$loop-stream${ms}ms"
+  [ "${via:-}" = proxy ] && extra=(--serve-proxy) && tag+="-serve-proxy"
+  echo "== serve under HTTP load (llama3-8b-shape, 1 replica, engine $loop, stream_interval_ms $ms, ${via:-haproxy})"
   timeout ${SERVE_S:-180} python3 -m bench.serve_bench --launch --size llama3-8b-shape --adapters 32 --slots 32 \
-    --batch 32 --num-requests ${REQUESTS:-256} --max-tokens 128 --prompt-words 64 --max-concurrency 64 \
-    --app-args "{\"engine_process\": true, \"compile_decode\": false, \"stream_interval_ms\": $ms}" \
-    --tag="-engine-process-stream${ms}ms" 2>&1 | grep -vE "^\s*$|INFO|WARN|it/s\]|warn|^\(" | tail -16 \
-    | tee "$OUT/serve-stream${ms}ms.log"
+    --batch 32 --num-requests ${REQUESTS:-256} --max-tokens 128 --prompt-words 64 --max-concurrency 64 "${extra[@]}" \
+    --app-args "{\"engine_process\": $process, \"compile_decode\": false, \"stream_interval_ms\": $ms}" \
+    --tag="$tag" 2>&1 | grep -vE "^\s*$|INFO|WARN|it/s\]|warn|logging.cc:474:     @" | tail -40 \
+    | tee "$OUT/serve$tag.log"
   ray stop --force >/dev/null 2>&1
 done
-cp bench/results/*serve-uniform-llama3-8b-shape-engine-process-stream*.json "$OUT/" 2>/dev/null
+cp bench/results/*serve-uniform-llama3-8b-shape-engine-*-stream*.json "$OUT/" 2>/dev/null
 ls "$OUT"

@@ -142,7 +142,7 @@ class LLMEngine:
         request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params), grammar=grammar)
         self._link_prefix(request)
         if adapter_id is not None:
-            hinted_at = self.hints.arrived(adapter_id)
+            hinted_at = self.hints.arrived(adapter_id, time.monotonic())
             self.residency.classify_arrival(adapter_id, hinted=hinted_at is not None)
             if hinted_at is not None:
                 self.hint_lead.observe(time.monotonic() - hinted_at)
@@ -182,8 +182,9 @@ class LLMEngine:
         now = time.monotonic()
         for adapter_id in adapter_ids:
             if adapter_id in self.registry:
-                self.hints.add(adapter_id, now)
                 self.residency.metrics.hints_received += 1
+                if not self.hints.add(adapter_id, now):
+                    self.residency.metrics.hints_late += 1
         for adapter_id in withdrawn:  # after the adds: a hint and its withdrawal may come in one batch
             self.hints.withdraw(adapter_id)
         for adapter_id in incoming:

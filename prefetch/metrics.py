@@ -43,6 +43,7 @@ class PrefetchMetrics:
     hinted_in_host: int = 0
     hinted_from_disk: int = 0
     hints_received: int = 0
+    hints_late: int = 0  # received just after an unhinted arrival of their adapter: that request's, dropped
     stalls: Histogram = field(default_factory=lambda: Histogram(STALL_BUCKETS_S))
     loads_started: int = 0
     load_failures: int = 0
@@ -71,6 +72,7 @@ class PrefetchMetrics:
             "hinted_in_host": self.hinted_in_host,
             "hinted_from_disk": self.hinted_from_disk,
             "hints_received": self.hints_received,
+            "hints_late": self.hints_late,
             "stall_seconds": self.stalls.as_dict(),
             "loads_started": self.loads_started,
             "load_failures": self.load_failures,

@@ -4,6 +4,8 @@ import time
 
 from engine_helpers import greedy, run_all
 
+from prefetch import hints as hints_module
+
 
 def test_hint_warms_host_cache_when_every_slot_is_pinned(make_engine, manifest, adapter_names):
     engine = make_engine(num_slots=1)
@@ -80,9 +82,11 @@ def test_slots_record_each_adapters_rank_for_the_kernels(make_engine, manifest):
             assert engine.lora.ctx.slot_ranks[slot].item() == ranks[state.adapter_id], state.adapter_id
 
 
-def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make_engine, manifest, adapter_names):
+def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make_engine, manifest, adapter_names,
+                                                                          monkeypatch):
     """Two requests for `kept` wait in the router (two hints), or one waits at another replica and may spread
     here (incoming): a one-off queued request waits for a slot to free instead of evicting it."""
+    monkeypatch.setattr(hints_module, "LATE_HINT_S", 0.0)  # kept's first request came long before the hints
     prompt = manifest["prompts"][0]
     busy, kept, one_off = adapter_names[:3]
     for hints, incoming in (([kept, kept], []), ([], [kept])):

@@ -12,9 +12,25 @@ def test_one_entry_per_waiting_request_consumed_by_arrivals():
     book.add("b", 2.0)
     book.add("a", 3.0)
     assert book.demand() == ["a", "a", "b"]  # the oldest waiting hint first, once per request
-    assert book.arrived("a") == 1.0  # the oldest hint: its lead time
+    assert book.arrived("a", 4.0) == 1.0  # the oldest hint: its lead time
     assert book.demand() == ["b", "a"]  # b's request (hinted at 2.0) is now due before a's (3.0)
-    assert book.arrived("a") == 3.0 and book.arrived("a") is None and "a" not in book
+    assert book.arrived("a", 4.0) == 3.0 and book.arrived("a", 4.0) is None and "a" not in book
+
+
+def test_a_hint_that_comes_just_after_its_unhinted_request_is_dropped():
+    """The request can reach the engine before its hint (the two take different paths): the late hint used to
+    wait for the adapter's next request, 10-30 s later on the H100 Serve claim, and keep it in the demand."""
+    book = HintBook(ttl_s=30.0)
+    assert book.arrived("a", 10.0) is None  # arrived first
+    assert not book.add("a", 10.02)  # its hint, late: dropped
+    assert "a" not in book and book.demand() == []
+    assert book.add("a", 10.1)  # another request for a: one unhinted arrival matches one late hint
+    assert book.arrived("b", 20.0) is None
+    assert book.add("b", 20.6) and book.demand() == ["a", "b"]  # past LATE_HINT_S: a new request's hint
+    assert book.arrived("b", 22.0) == 20.6
+    book.arrived("c", 30.0)
+    book.forget("c")  # unregistered meanwhile
+    assert book.add("c", 30.1)
 
 
 def test_hints_and_incoming_expire():
@@ -28,7 +44,7 @@ def test_hints_and_incoming_expire():
     assert book.demand() == ["a"]
     book.add_incoming("y", 15.0)
     assert book.incoming() == {"y"}
-    book.arrived("y")  # the spread came: it now counts as a queued request, not an announcement
+    book.arrived("y", 15.5)  # the spread came: it now counts as a queued request, not an announcement
     assert book.incoming() == frozenset()
 
 

@@ -53,7 +53,9 @@ NOTES = [
     "hints_received (the engines') counts waiting-kind hints: one per request and replica it waited for in the "
     "router (a request whose target changes is hinted at the new replica and withdrawn at the old one, since "
     "commit 6b4524a; before it, once per routing attempt). hints_pushed (the router actor's) also counts the "
-    "incoming-kind hints to the replica a request may spread to, not the withdrawals.",
+    "incoming-kind hints to the replica a request may spread to, not the withdrawals. hints_late (since session 10) "
+    "counts hints that reached an engine within 0.5 s after an unhinted arrival of their adapter: taken to be that "
+    "request's, which overtook its hint, and dropped (before, such a hint waited for the adapter's next request).",
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s: gaps between streamed chunks that carry text; a chunk may carry several tokens, and a token that "
@@ -166,7 +168,7 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
         "adapter_wait_before_load_s_mean": mean_of(delta["adapter_wait_before_load_seconds"]),
         "adapter_wait_histogram": delta["adapter_wait_seconds"],
         "hint_lead_histogram": lead,
-        "hints_received": delta["hints_received"], "hints_pushed": hints_pushed,
+        "hints_received": delta["hints_received"], "hints_late": delta["hints_late"], "hints_pushed": hints_pushed,
         "router_wait": router_wait(samples),
         "wasted_prefetch_bytes": delta["wasted_prefetch_bytes"],
         "wasted_prefetch_bytes_evicted": delta["wasted_prefetch_bytes"], "unused_resident_bytes_at_end": None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 10, one device call (1 x H100; Ray from the wheelhouse in WHEELS: .whl-serve has HAProxy): streaming
 # through Serve under HTTP load (Llama-3-8B shapes, 1 replica, 256 requests of 128 tokens, 64 at once,
-# compile_decode off for a shorter start-up, the same for every run): output tokens/s, TTFT, chunk gaps and the
+# compile_decode off for a shorter start-up unless a run says compile): output tokens/s, TTFT, chunk gaps and the
 # replica's step timing, once per entry of RUNS, each LOOP:INTERVAL_MS[:FLAG...]: LOOP is process (the engine in
 # its own process) or thread (the engine on a thread of the replica, the default), INTERVAL_MS the replica's
 # stream_interval_ms; FLAG proxy sends HTTP through Serve's Python proxy instead of HAProxy, FLAG compile turns

@@ -9,8 +9,9 @@ each decode step went from 0.92 to 0.17 ms at p50 (`bench/results/cpu-throughput
 The window starts at the last settled chunk of tokens (`prefix_offset`), and the text the new tokens add is
 the window's decode less that chunk's, so a tokenizer that changes a token's text by what precedes it
 (SentencePiece's leading space) is decoded in context. A window whose text ends in U+FFFD (an unfinished
-multi-byte character) does not settle until a later token completes it. This is the usual windowed scheme of streaming servers; written here because
-transformers' own streamers decode for printing, not for a server's per-request state.
+multi-byte character) does not settle until a later token completes it. This is the usual windowed scheme of
+streaming servers; written here because transformers' own streamers decode for printing, not for a server's
+per-request state.
 
 Where the scheme could diverge from one full decode, `IncrementalText` decodes in full instead: tokenizers
 that clean up tokenization spaces (their cleanup looks at neighbouring words). A finished request's text is

@@ -40,7 +40,7 @@ class EngineStreams:
         self.stream_interval_s = stream_interval_s
 
     async def generate(self, prompt: str | list[int], adapter_id: str | None, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, hint_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Validation errors raise before the first output.
 
         Leaving the iterator early (client gone, task cancelled) aborts the request, which frees
@@ -53,7 +53,7 @@ class EngineStreams:
         try:
             if params.response_format is not None:  # compiled beside the engine loop: it may take a second
                 await self.call_aside(methodcaller("compile_grammar", params.response_format))
-            await self._submit(prompt, adapter_id, params, request_id)
+            await self._submit(prompt, adapter_id, params, request_id, hint_id)
             while not finished:
                 output = await outputs.get()
                 if sent_at is not None and output.error is None and not output.finished:
@@ -73,7 +73,7 @@ class EngineStreams:
             if not finished:
                 self._abort(request_id)
 
-    async def _submit(self, prompt, adapter_id, params, request_id) -> None:
+    async def _submit(self, prompt, adapter_id, params, request_id, hint_id=None) -> None:
         raise NotImplementedError
 
     def _abort(self, request_id: str) -> None:
@@ -119,8 +119,9 @@ class AsyncEngine(EngineStreams):
         and registering an adapter, which reads files)."""
         return await asyncio.to_thread(fn, self.engine)
 
-    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = ()) -> None:
-        self._commands.put(lambda e: e.hint(adapter_ids, incoming, withdrawn))
+    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
+             withdrawn_ids=None) -> None:
+        self._commands.put(lambda e: e.hint(adapter_ids, incoming, withdrawn, hint_ids, withdrawn_ids))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -131,10 +132,10 @@ class AsyncEngine(EngineStreams):
         self._thread.join(timeout=30)
         self.engine.shutdown()
 
-    async def _submit(self, prompt, adapter_id, params, request_id) -> None:
-        self.submit(prompt, adapter_id, params, request_id)
+    async def _submit(self, prompt, adapter_id, params, request_id, hint_id=None) -> None:
+        self.submit(prompt, adapter_id, params, request_id, hint_id)
 
-    def submit(self, prompt, adapter_id, params, request_id) -> None:
+    def submit(self, prompt, adapter_id, params, request_id, hint_id=None) -> None:
         """Queue a request without waiting for the engine thread: a refusal comes back as the stream's first
         output (an error, raised before anything is yielded). Awaiting the add woke the event loop in the middle
         of the request's first step, which then ran slower for the GIL."""
@@ -143,7 +144,7 @@ class AsyncEngine(EngineStreams):
 
         def add(engine: LLMEngine) -> RequestOutput | None:
             try:
-                engine.add_request(prompt, adapter_id, params, request_id)
+                engine.add_request(prompt, adapter_id, params, request_id, hint_id)
             except Exception as e:  # noqa: BLE001 - the caller's stream raises it
                 return RequestOutput(request_id, "", (), True, "error", error=e)
             self._awaiting_first.add(request_id)

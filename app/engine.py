@@ -109,7 +109,8 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], adapter_id: str | None, params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, hint_id: str | None = None) -> Request:
+        """hint_id: the id the router's hint for this request carries (its Serve request id), if any."""
         if adapter_id is not None:
             self.registry.get(adapter_id)  # AdapterNotFound
         if isinstance(prompt, list):
@@ -142,7 +143,7 @@ class LLMEngine:
         request = Request(request_id, adapter_id, prompt_ids, params, seed_for(params), grammar=grammar)
         self._link_prefix(request)
         if adapter_id is not None:
-            hinted_at = self.hints.arrived(adapter_id, time.monotonic())
+            hinted_at = self.hints.arrived(adapter_id, time.monotonic(), hint_id)
             self.residency.classify_arrival(adapter_id, hinted=hinted_at is not None)
             if hinted_at is not None:
                 self.hint_lead.observe(time.monotonic() - hinted_at)
@@ -174,19 +175,20 @@ class LLMEngine:
         self._finish(request)
         return self._output(request, "", (), error=None)
 
-    def hint(self, adapter_ids, incoming=(), withdrawn=()) -> None:
+    def hint(self, adapter_ids, incoming=(), withdrawn=(), hint_ids=None, withdrawn_ids=None) -> None:
         """Ask for adapters to be made resident ahead of need (the router's hint): one entry per request
         waiting in the router for this replica. incoming: adapters of requests waiting at another replica
         that may be sent here; they are protected from eviction for a one-off. withdrawn: one entry per
-        hinted request that went to another replica after all."""
+        hinted request that went to another replica after all. hint_ids, withdrawn_ids: the request id of each
+        entry of adapter_ids and withdrawn (None: no ids); a request that brings the same id consumes its hint."""
         now = time.monotonic()
-        for adapter_id in adapter_ids:
+        for adapter_id, hint_id in zip(adapter_ids, hint_ids or [None] * len(adapter_ids)):
             if adapter_id in self.registry:
                 self.residency.metrics.hints_received += 1
-                if not self.hints.add(adapter_id, now):
+                if not self.hints.add(adapter_id, now, hint_id):
                     self.residency.metrics.hints_late += 1
-        for adapter_id in withdrawn:  # after the adds: a hint and its withdrawal may come in one batch
-            self.hints.withdraw(adapter_id)
+        for adapter_id, hint_id in zip(withdrawn, withdrawn_ids or [None] * len(withdrawn)):
+            self.hints.withdraw(adapter_id, hint_id)  # after the adds: a hint and its withdrawal may come together
         for adapter_id in incoming:
             if adapter_id in self.registry:
                 self.hints.add_incoming(adapter_id, now)

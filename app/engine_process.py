@@ -70,9 +70,10 @@ class EngineProcess(EngineStreams):
         """Run fn(engine) on a worker thread of the child, beside the engine loop."""
         return await self._request("aside", fn)
 
-    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = ()) -> None:
+    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
+             withdrawn_ids=None) -> None:
         try:
-            self._send(("hint", list(adapter_ids), list(incoming), list(withdrawn)))
+            self._send(("hint", list(adapter_ids), list(incoming), list(withdrawn), hint_ids, withdrawn_ids))
         except EngineUnavailable:
             pass  # a hint is advice: a dead engine fails its requests, not the caller of hint
 
@@ -90,9 +91,9 @@ class EngineProcess(EngineStreams):
         if self._process.is_alive():
             self._process.kill()
 
-    async def _submit(self, prompt, adapter_id, params, request_id) -> None:
+    async def _submit(self, prompt, adapter_id, params, request_id, hint_id=None) -> None:
         """Sent without waiting for the child, as AsyncEngine queues it: a refusal is the stream's first output."""
-        self._send(("submit", prompt, adapter_id, params, request_id))
+        self._send(("submit", prompt, adapter_id, params, request_id, hint_id))
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -238,6 +239,6 @@ def _child_main(config: EngineConfig, conn) -> None:
         elif kind == "abort":
             loop._abort(message[1])
         elif kind == "hint":
-            loop.hint(message[1], message[2], message[3])
+            loop.hint(*message[1:])
     aside.shutdown(wait=False)
     loop.shutdown()

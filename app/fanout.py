@@ -23,11 +23,14 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
 
 
 async def generate_choices(engine: AsyncEngine, prompts: Sequence, adapter_id: str | None, params: SamplingParams,
-                           n: int, request_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                           n: int, request_id: str | None = None,
+                           hint_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) as each choice streams. Every choice's first output (or error) comes before
-    anything is yielded, so a request that one prompt makes invalid fails whole, before streaming."""
+    anything is yielded, so a request that one prompt makes invalid fails whole, before streaming. hint_id: the id
+    of the router's hint for this request, if any (one hint per request: the first choice consumes it)."""
     request_id = request_id or uuid.uuid4().hex
-    streams = [engine.generate(prompt, adapter_id, choice_params(params, j), f"{request_id}-{i * n + j}")
+    streams = [engine.generate(prompt, adapter_id, choice_params(params, j), f"{request_id}-{i * n + j}",
+                               hint_id if i == j == 0 else None)
                for i, prompt in enumerate(prompts) for j in range(n)]
     if len(streams) == 1:  # the common case: no task, no merge queue between the engine and the caller
         async with contextlib.aclosing(streams[0]) as stream:

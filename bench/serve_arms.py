@@ -54,8 +54,8 @@ NOTES = [
     "router (a request whose target changes is hinted at the new replica and withdrawn at the old one, since "
     "commit 6b4524a; before it, once per routing attempt). hints_pushed (the router actor's) also counts the "
     "incoming-kind hints to the replica a request may spread to, not the withdrawals. hints_late (since session 10) "
-    "counts hints that reached an engine within 0.5 s after an unhinted arrival of their adapter: taken to be that "
-    "request's, which overtook its hint, and dropped (before, such a hint waited for the adapter's next request).",
+    "counts hints that reached an engine after their own request (matched by Serve's request id) and were dropped; "
+    "before, such a hint waited for its adapter's next request.",
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s: gaps between streamed chunks that carry text; a chunk may carry several tokens, and a token that "

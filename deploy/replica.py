@@ -84,7 +84,7 @@ class LoRAReplica:
             if adapter_id is not None and adapter_id not in self.adapters:
                 await self._adopt(adapter_id)  # registered moments ago, not yet synced here
             async for index, output in generate_choices(self.engine, body["prompts"], adapter_id, params,
-                                                        body.get("n", 1), body.get("request_id")):
+                                                        body.get("n", 1), body.get("request_id"), _hint_id()):
                 yield {**output_chunk(index, output), "replica": self.uid}
         except Exception as e:
             if not isinstance(e, ServingError):  # a bug, not the client's fault: keep serving
@@ -153,9 +153,12 @@ class LoRAReplica:
                 stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
                 reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
                 if reply["hints"]:
-                    by_kind = {kind: [h["adapter_id"] for h in reply["hints"] if h.get("kind", "waiting") == kind]
+                    by_kind = {kind: [h for h in reply["hints"] if h.get("kind", "waiting") == kind]
                                for kind in ("waiting", "incoming", "withdrawn")}
-                    self.engine.hint(by_kind["waiting"], by_kind["incoming"], by_kind["withdrawn"])
+                    ids = {kind: [h.get("request_id") or None for h in hints] for kind, hints in by_kind.items()}
+                    adapters = {kind: [h["adapter_id"] for h in hints] for kind, hints in by_kind.items()}
+                    self.engine.hint(adapters["waiting"], adapters["incoming"], adapters["withdrawn"],
+                                     ids["waiting"], ids["withdrawn"])
                 if "adapters" in reply:
                     if self._known is not None and reply["epoch"] != self._known[0]:
                         await actor.restore.remote(self.adapters)  # a recreated actor lost registrations
@@ -185,6 +188,16 @@ class LoRAReplica:
             metrics.stalls().observe(seconds)
         for state in ("ready", "loading", "pinned", "total"):
             metrics.slots().set(snapshot[f"slots_{state}"], tags={"state": state})
+
+
+def _hint_id() -> str | None:
+    """The id the router's hint for the current request carries: Serve's internal request id, which the router sees
+    as `PendingRequest.metadata.internal_request_id` and the replica only in Serve's private request context (None
+    if a Ray version lacks it: the request then consumes no hint by id)."""
+    try:
+        return serve.context._get_serve_request_context()._internal_request_id or None
+    except Exception:  # noqa: BLE001 - a private API: its absence only costs the exact hint match
+        return None
 
 
 def _rss_bytes() -> int:

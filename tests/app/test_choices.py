@@ -131,3 +131,17 @@ def test_token_bytes_rebuild_characters_split_across_tokens(engine):
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == text.encode()
     eos = tokenizer.eos_token_id  # an added special token: its text
     assert token_bytes(tokenizer, eos) == tokenizer.decode([eos], skip_special_tokens=False).encode()
+
+
+def test_the_routers_hint_is_consumed_once_per_request_by_its_first_choice(engine, manifest, adapter_names):
+    adapter = adapter_names[0]
+
+    async def main():
+        engine.hint([adapter], hint_ids=["serve-1"])
+        async for _ in generate_choices(engine, [manifest["prompts"][0]] * 2, adapter, SamplingParams(max_tokens=2),
+                                        n=2, request_id="cmpl-1", hint_id="serve-1"):
+            pass
+        return await engine.call(lambda e: (e.metrics(), e.hints.demand(), e.hint_lead.count))
+
+    metrics, demand, leads = asyncio.run(main())
+    assert demand == [] and leads == 1 and metrics["hints_late"] == 0  # four engine requests, one hint

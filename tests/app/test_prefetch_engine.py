@@ -4,8 +4,6 @@ import time
 
 from engine_helpers import greedy, run_all
 
-from prefetch import hints as hints_module
-
 
 def test_hint_warms_host_cache_when_every_slot_is_pinned(make_engine, manifest, adapter_names):
     engine = make_engine(num_slots=1)
@@ -35,6 +33,24 @@ def test_hint_loads_into_a_free_slot(make_engine, adapter_names):
     assert adapter_names[2] in engine.routing_stats()["resident"]
     metrics = engine.metrics()
     assert metrics["hints_received"] == 1 and metrics["loads_started"] == 1
+
+
+def test_a_request_consumes_its_own_hint_by_id_and_a_hint_after_its_request_is_dropped(make_engine, manifest,
+                                                                                       adapter_names):
+    engine = make_engine(num_slots=2)
+    prompt, adapter = manifest["prompts"][0], adapter_names[1]
+    engine.hint([adapter, adapter], hint_ids=["r1", "r2"])
+    engine.add_request(prompt, adapter, greedy(2), hint_id="r2")
+    assert engine.hints.demand() == [adapter]  # r1 is still on its way
+    engine.add_request(prompt, adapter, greedy(2), hint_id="r3")  # it overtook its hint
+    engine.hint([adapter], hint_ids=["r3"])
+    assert engine.hints.demand() == [adapter] and engine.hint_lead.count == 1
+    metrics = engine.metrics()
+    assert (metrics["hints_received"], metrics["hints_late"]) == (3, 1)
+    assert engine.routing_stats()["arrivals"]["hints_late"] == 1
+    engine.hint([], withdrawn=[adapter], withdrawn_ids=["r1"])  # r1 went to another replica
+    assert adapter not in engine.hints
+    run_all(engine, check=True)
 
 
 def test_metrics_snapshot_reports_every_tier(make_engine, manifest, adapter_names):
@@ -82,11 +98,9 @@ def test_slots_record_each_adapters_rank_for_the_kernels(make_engine, manifest):
             assert engine.lora.ctx.slot_ranks[slot].item() == ranks[state.adapter_id], state.adapter_id
 
 
-def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make_engine, manifest, adapter_names,
-                                                                          monkeypatch):
+def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make_engine, manifest, adapter_names):
     """Two requests for `kept` wait in the router (two hints), or one waits at another replica and may spread
     here (incoming): a one-off queued request waits for a slot to free instead of evicting it."""
-    monkeypatch.setattr(hints_module, "LATE_HINT_S", 0.0)  # kept's first request came long before the hints
     prompt = manifest["prompts"][0]
     busy, kept, one_off = adapter_names[:3]
     for hints, incoming in (([kept, kept], []), ([], [kept])):

@@ -17,20 +17,30 @@ def test_one_entry_per_waiting_request_consumed_by_arrivals():
     assert book.arrived("a", 4.0) == 3.0 and book.arrived("a", 4.0) is None and "a" not in book
 
 
-def test_a_hint_that_comes_just_after_its_unhinted_request_is_dropped():
-    """The request can reach the engine before its hint (the two take different paths): the late hint used to
-    wait for the adapter's next request, 10-30 s later on the H100 Serve claim, and keep it in the demand."""
+def test_a_request_consumes_its_own_hint_and_a_hint_after_its_request_is_dropped():
+    """The request can reach the engine before its hint (the two take different paths): without ids, the late hint
+    waited for the adapter's next request, 10-30 s later on the H100 Serve claim, and kept it in the demand."""
     book = HintBook(ttl_s=30.0)
-    assert book.arrived("a", 10.0) is None  # arrived first
-    assert not book.add("a", 10.02)  # its hint, late: dropped
-    assert "a" not in book and book.demand() == []
-    assert book.add("a", 10.1)  # another request for a: one unhinted arrival matches one late hint
-    assert book.arrived("b", 20.0) is None
-    assert book.add("b", 20.6) and book.demand() == ["a", "b"]  # past LATE_HINT_S: a new request's hint
-    assert book.arrived("b", 22.0) == 20.6
-    book.arrived("c", 30.0)
-    book.forget("c")  # unregistered meanwhile
-    assert book.add("c", 30.1)
+    assert book.add("a", 1.0, "r1") and book.add("a", 2.0, "r2")
+    assert book.arrived("a", 3.0, "r2") == 2.0  # its own hint, not the oldest
+    assert book.demand() == ["a"]
+    assert book.arrived("a", 4.0, "r3") is None  # arrived first: its hint is on its way
+    assert not book.add("a", 4.02, "r3")  # late: dropped, not left for a later request
+    assert book.demand() == ["a"] and book.arrived("a", 5.0, "r1") == 1.0 and "a" not in book
+    book.withdraw("b", "r9")  # never hinted: nothing to drop
+    assert book.add("b", 6.0, "r4") and book.add("b", 6.5, "r5")
+    book.withdraw("b", "r4")  # the request that went elsewhere, not the newest
+    assert book.arrived("b", 7.0, "r5") == 6.5
+    assert book.arrived("c", 8.0, "r6") is None
+    book.expire(40.0)  # an arrival whose hint never came is forgotten after ttl_s
+    assert book.add("c", 40.0, "r6")
+
+
+def test_hints_without_ids_go_to_the_oldest_request():
+    book = HintBook(ttl_s=30.0)
+    book.add("a", 1.0)
+    assert book.arrived("a", 2.0, "r1") == 1.0  # a request with an id still takes a hint sent without one
+    assert book.arrived("a", 2.0) is None and book.add("a", 3.0)  # no id: no late match
 
 
 def test_hints_and_incoming_expire():

@@ -96,8 +96,8 @@ def test_error_statuses(cluster):
 
 
 def test_overload_is_429_with_retry_after(cluster):
-    def slow(i):
-        return complete(cluster, "base", max_tokens=40, ignore_eos=True)
+    def slow(i):  # long enough that 49 of the 64 are in flight at once however slowly the client threads start
+        return complete(cluster, "base", max_tokens=160, ignore_eos=True)
 
     with ThreadPoolExecutor(64) as pool:
         responses = list(pool.map(slow, range(64)))

@@ -32,12 +32,12 @@ class EngineStreams:
     Subclasses say how a request reaches the engine (`_submit`), how it is aborted, and deliver
     outputs through `_deliver` from any thread."""
 
-    def __init__(self, stream_interval_s: float = 0.0):
+    def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # After a request's first output, its later ones go out at most this often, merged (0: each as it
-        # comes). Every output crosses the replica -> ingress -> client path as one message, which costs more
-        # host time than the engine spends on a token (the replica's `stream_interval_ms`).
-        self.stream_interval_s = stream_interval_s
+        # comes). Each output crosses the replica -> ingress -> client path as one message; the replica sets
+        # this from its `stream_interval_ms`.
+        self.stream_interval_s = 0.0
 
     async def generate(self, prompt: str | list[int], adapter_id: str | None, params: SamplingParams,
                        request_id: str | None = None, hint_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -184,8 +184,10 @@ class LLMEngine:
         now = time.monotonic()
         for adapter_id, hint_id in zip(adapter_ids, hint_ids or [None] * len(adapter_ids)):
             if adapter_id in self.registry:
-                self.residency.metrics.hints_received += 1
-                if not self.hints.add(adapter_id, now, hint_id):
+                outcome = self.hints.add(adapter_id, now, hint_id)
+                if outcome != "duplicate":
+                    self.residency.metrics.hints_received += 1
+                if outcome == "late":
                     self.residency.metrics.hints_late += 1
         for adapter_id, hint_id in zip(withdrawn, withdrawn_ids or [None] * len(withdrawn)):
             self.hints.withdraw(adapter_id, hint_id)  # after the adds: a hint and its withdrawal may come together

@@ -37,8 +37,8 @@ class AdapterAffinityRouter(RequestRouter):
         self._view_at = 0.0
         self._actor = None
         self._refresh_task: asyncio.Task | None = None
-        # Kept until the request completes (or 60 s): a request that a full replica turns away waits again,
-        # and the replica it waits for already has its hint.
+        # Kept until the replica accepts the request (or 60 s): a request that a full replica turns away waits
+        # again, and the replica it waits for already has its hint.
         self._hinted: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, when) hinted
         # The hint budget: requests still waiting in this router whose "waiting" hint a replica holds. A request
         # leaves it when it is sent on (the replica then counts its adapter as busy in hint_room).
@@ -176,11 +176,24 @@ class AdapterAffinityRouter(RequestRouter):
         pair = self._rng.sample(candidates, min(2, len(candidates)))
         return [sorted(pair, key=lambda r: self._replica_queue_len_cache.get(r.replica_id) or 0)]
 
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        """The replica accepted the request: it has left this router for good."""
+        super().on_request_routed(pending_request, replica_id, result)
+        rid = pending_request.metadata.internal_request_id
+        self._forget_hint(rid)
+        self._waits_at.pop(rid, None)
+        self._announced.pop(rid, None)
+        self._deferred.pop(rid, None)
+
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._forget_hint(internal_request_id)
-        self._waits_at.pop(internal_request_id, None)
-        self._announced.pop(internal_request_id, None)
-        self._deferred.pop(internal_request_id, None)
+        """Serve calls this when a request completes, and also when a full replica turns an attempt away (Ray 2.60
+        cancels the rejected attempt, which fires its completion callback); the request then waits again. So only
+        its place in the hint room is given back here: its hint record stays, so that a request turned away is not
+        hinted to the same replica again (a duplicate hint at the replica is a stale entry in its prefetch demand
+        until it expires) and is withdrawn there if it goes elsewhere. Records of accepted requests go in
+        on_request_routed, those of any other after 60 s (`_prune`)."""
+        uid, _ = self._hinted.get(internal_request_id, ("", 0.0))
+        self._waiting_hints.get(uid, {}).pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)

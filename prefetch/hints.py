@@ -35,14 +35,18 @@ class HintBook:
         self._incoming: dict[str, float] = {}  # adapter -> when last announced
         self._arrived: OrderedDict[str, float] = OrderedDict()  # request id -> when it arrived with no hint here
 
-    def add(self, adapter_id: str, now: float, request_id: str | None = None) -> bool:
-        """A request for adapter_id waits in the router for this replica. False: that request has arrived
-        already (its hint came late), so the hint is dropped."""
-        if request_id is not None and self._arrived.pop(request_id, None) is not None:
-            return False
+    def add(self, adapter_id: str, now: float, request_id: str | None = None) -> str:
+        """A request for adapter_id waits in the router for this replica. Returns "added"; "late" if that request
+        has arrived already (its hint is dropped); "duplicate" if its hint is here already (kept once: a second
+        entry would outlive the request's arrival, which consumes one, and stay in the demand until it expired)."""
+        if request_id is not None:
+            if self._arrived.pop(request_id, None) is not None:
+                return "late"
+            if any(rid == request_id for _, rid in self._waiting.get(adapter_id, ())):
+                return "duplicate"
         self._waiting.setdefault(adapter_id, deque()).append((now, request_id))
         self._waiting.move_to_end(adapter_id)
-        return True
+        return "added"
 
     def add_incoming(self, adapter_id: str, now: float) -> None:
         """A request waiting at another replica may be sent here."""

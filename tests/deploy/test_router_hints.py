@@ -75,13 +75,25 @@ def test_app_passes_hints_to_the_router():
         assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints}
 
 
-def test_a_request_routed_again_is_hinted_once_per_replica_until_it_completes():
+def test_a_request_routed_again_is_hinted_once_per_replica_until_it_is_accepted():
+    """Ray 2.60 calls on_request_completed also when a full replica turns an attempt away (it cancels the attempt):
+    the request waits again and must not be hinted again (the session-11 CPU trace: 96 hints for 75 requests)."""
     r, actor = router(True, VIEW)
     for _ in range(3):  # turned away by the full replica, it waits there again
-        assert choose(r, pending("pirate", "r1")) == "a"
+        request = pending("pirate", "r1")
+        assert choose(r, request) == "a"
+        r.on_request_completed(ReplicaId("a"), "r1")  # the rejected attempt's callback
     assert sorted(actor.hints) == [("a", "pirate", "r1"), ("b", "pirate", "r1", "incoming")]
-    r.on_request_completed(ReplicaId("a"), "r1")
-    assert r._hinted == {} and r._announced == {}
+    r.on_request_routed(request, ReplicaId("a"), None)  # accepted: it has left the router
+    assert r._hinted == {} and r._announced == {} and r._waits_at == {}
+
+
+def test_a_request_turned_away_then_sent_elsewhere_withdraws_its_hint():
+    r, actor = router(True, VIEW)
+    assert choose(r, pending("pirate", "r1")) == "a"
+    r.on_request_completed(ReplicaId("a"), "r1")  # turned away by "a"
+    assert choose(r, pending("pirate", "r1", waited_s=1.0)) == "b"  # spreads
+    assert ("a", "pirate", "r1", "withdrawn") in actor.hints
 
 
 def test_a_hinted_request_that_goes_elsewhere_withdraws_its_hint():

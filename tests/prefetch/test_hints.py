@@ -21,19 +21,29 @@ def test_a_request_consumes_its_own_hint_and_a_hint_after_its_request_is_dropped
     """The request can reach the engine before its hint (the two take different paths): without ids, the late hint
     waited for the adapter's next request, 10-30 s later on the H100 Serve claim, and kept it in the demand."""
     book = HintBook(ttl_s=30.0)
-    assert book.add("a", 1.0, "r1") and book.add("a", 2.0, "r2")
+    assert book.add("a", 1.0, "r1") == book.add("a", 2.0, "r2") == "added"
     assert book.arrived("a", 3.0, "r2") == 2.0  # its own hint, not the oldest
     assert book.demand() == ["a"]
     assert book.arrived("a", 4.0, "r3") is None  # arrived first: its hint is on its way
-    assert not book.add("a", 4.02, "r3")  # late: dropped, not left for a later request
+    assert book.add("a", 4.02, "r3") == "late"  # dropped, not left for a later request
     assert book.demand() == ["a"] and book.arrived("a", 5.0, "r1") == 1.0 and "a" not in book
     book.withdraw("b", "r9")  # never hinted: nothing to drop
-    assert book.add("b", 6.0, "r4") and book.add("b", 6.5, "r5")
+    assert book.add("b", 6.0, "r4") == book.add("b", 6.5, "r5") == "added"
     book.withdraw("b", "r4")  # the request that went elsewhere, not the newest
     assert book.arrived("b", 7.0, "r5") == 6.5
     assert book.arrived("c", 8.0, "r6") is None
     book.expire(40.0)  # an arrival whose hint never came is forgotten after ttl_s
-    assert book.add("c", 40.0, "r6")
+    assert book.add("c", 40.0, "r6") == "added"
+
+
+def test_a_request_hinted_twice_has_one_entry():
+    """Serve's router can hint a request again after a full replica turned it away; a second entry would outlive
+    the request's arrival (which consumes one) and keep its adapter in the demand until it expired."""
+    book = HintBook(ttl_s=30.0)
+    assert book.add("a", 1.0, "r1") == "added" and book.add("a", 1.5, "r1") == "duplicate"
+    assert book.add("a", 1.6, None) == book.add("a", 1.7, None) == "added"  # without ids: one per hint
+    assert book.demand() == ["a", "a", "a"]
+    assert book.arrived("a", 2.0, "r1") == 1.0 and book.demand() == ["a", "a"]
 
 
 def test_hints_without_ids_go_to_the_oldest_request():

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import replace
 
 import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -40,8 +39,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._refresh_task: asyncio.Task | None = None
         # Kept until the replica accepts the request (or 60 s): a request that a full replica turns away waits
         # again, and the replica it waits for already has its hint.
-        # internal request id -> (replica uid, when hinted, whether the replica held its adapter before the hint)
-        self._hinted: dict[str, tuple[str, float, bool]] = {}
+        self._hinted: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, when) hinted
         # The hint budget: requests still waiting in this router whose "waiting" hint a replica holds. A request
         # leaves it when it is sent on (the replica then counts its adapter as busy in hint_room).
         self._waiting_hints: dict[str, dict[str, str]] = {}  # replica uid -> {internal request id: adapter}
@@ -124,12 +122,10 @@ class AdapterAffinityRouter(RequestRouter):
         recent = frozenset(uid for uid, at in self._recent.get(adapter_id, {}).items() if now - at < RECENT_S)
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
-        hinted_at, _, held = self._hinted.get(rid, ("", 0.0, True))
-        if not held and hinted_at in loads and adapter_id is not None:
-            loads[hinted_at] = _without_own_load(loads[hinted_at], adapter_id)
         decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
                          recent=recent, rng=self._rng, waiting_for=self._waits_at.get(rid, ("",))[0] or None)
+        hinted_at = self._hinted.get(rid, ("",))[0]
         if hinted_at and hinted_at != decision.uid and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
             self._actor.push_hint.remote(hinted_at, adapter_id, rid, "withdrawn")
@@ -142,7 +138,7 @@ class AdapterAffinityRouter(RequestRouter):
             if rid in self._hinted:  # hinted there already, then turned away by the full replica: waits again
                 self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
             else:
-                self._hint_waiting(decision.uid, adapter_id, rid, loads[decision.uid], now)
+                self._hint_waiting(decision.uid, adapter_id, rid, loads[decision.uid].hint_room, now)
         if self.hints and decision.spread_to and adapter_id is not None and \
                 self._announced.get(rid, ("",))[0] != decision.spread_to:
             # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
@@ -156,23 +152,23 @@ class AdapterAffinityRouter(RequestRouter):
                 self._recent.setdefault(adapter_id, {})[decision.uid] = now
         return [[by_uid[decision.uid]]]
 
-    def _hint_waiting(self, uid: str, adapter_id: str, rid: str, load: ReplicaLoad, now: float) -> None:
+    def _hint_waiting(self, uid: str, adapter_id: str, rid: str, room: int | None, now: float) -> None:
         """Hint the replica the request waits for, within its hint room; else count it held back (once), and
         a later routing attempt (after Serve's backoff) tries again."""
         hints = self._waiting_hints.setdefault(uid, {})
-        if not can_hint(adapter_id, hints.values(), load.hint_room):
+        if not can_hint(adapter_id, hints.values(), room):
             if rid not in self._deferred:
                 self._deferred[rid] = now
                 self._count("hint_deferred")
             return
         hints[rid] = adapter_id
-        self._hinted[rid] = (uid, now, load.holds(adapter_id))
+        self._hinted[rid] = (uid, now)
         self._deferred.pop(rid, None)
         self._actor.push_hint.remote(uid, adapter_id, rid)  # fire and forget
         self._count("hint")
 
     def _forget_hint(self, rid: str) -> None:
-        uid = self._hinted.pop(rid, ("",))[0]
+        uid, _ = self._hinted.pop(rid, ("", 0.0))
         self._waiting_hints.get(uid, {}).pop(rid, None)
 
     def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
@@ -196,7 +192,7 @@ class AdapterAffinityRouter(RequestRouter):
         hinted to the same replica again (a duplicate hint at the replica is a stale entry in its prefetch demand
         until it expires) and is withdrawn there if it goes elsewhere. Records of accepted requests go in
         on_request_routed, those of any other after 60 s (`_prune`)."""
-        uid = self._hinted.get(internal_request_id, ("",))[0]
+        uid, _ = self._hinted.get(internal_request_id, ("", 0.0))
         self._waiting_hints.get(uid, {}).pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id):
@@ -213,13 +209,3 @@ class AdapterAffinityRouter(RequestRouter):
 
             self._outcomes = placements()
         self._outcomes.inc(tags={"outcome": outcome})
-
-
-def _without_own_load(load: ReplicaLoad, adapter_id: str) -> ReplicaLoad:
-    """The replica as a request hinted there sees it when only its own hint brought its adapter there (loading, or
-    loaded and not yet used): not a holder. A hint prepares the replica a request waits for; it does not make the
-    request keep waiting there when another replica has room. Otherwise the hint's own load made that replica the
-    holder, and a fresh request declined a free replica for up to spread_after_s, where without hints it went there
-    at once (two replicas on one H100 past saturation: 7.5% fewer requests a second with hints, in three calls).
-    Requests queued there for the adapter still make it a holder."""
-    return replace(load, resident=load.resident - {adapter_id}, loading=load.loading - {adapter_id})

@@ -152,27 +152,3 @@ def test_a_replica_that_reports_no_hint_room_gets_every_hint():
     for i, adapter_id in enumerate(["pirate", "chef", "poet"]):
         choose(r, pending(adapter_id, f"r{i}"))
     assert len(waiting_hints(actor)) == 3
-
-
-def test_a_hint_does_not_make_its_own_request_wait_for_the_replica_it_prepares():
-    """Both replicas full: a cold request waits at one and is hinted there. Once that replica is loading the adapter
-    for it, the other replica frees a place: the request goes there at once, as without hints (and the hint is
-    withdrawn), instead of waiting up to spread_after_s for the replica its own hint made a holder."""
-    view = {"a": {"ongoing": 2}, "b": {"ongoing": 2}}
-    r, actor = router(True, view)
-    waits_at = choose(r, pending("chef", "r1"))
-    other = "b" if waits_at == "a" else "a"
-    assert waiting_hints(actor) == [(waits_at, "chef", "r1")]
-    view[waits_at]["loading"] = ["chef"]  # the hint's load, as the replica reports it
-    view[other]["ongoing"] = 1
-    assert choose(r, pending("chef", "r1")) == other
-    assert (waits_at, "chef", "r1", "withdrawn") in actor.hints
-
-
-def test_a_replica_that_held_the_adapter_before_the_hint_keeps_its_affinity():
-    view = {"a": {"ongoing": 2, "resident": ["chef"]}, "b": {"ongoing": 2}}
-    r, actor = router(True, view)
-    assert choose(r, pending("chef", "r1")) == "a"  # the holder, full: waits there, hinted
-    view["b"]["ongoing"] = 1
-    assert choose(r, pending("chef", "r1")) == "a"  # fresh: still waits at the holder (spread_after_s)
-    assert choose(r, pending("chef", "r1", waited_s=1.0)) == "b"  # then spreads

@@ -4,8 +4,9 @@
 state (scheduler, KV blocks, slot pool, pipeline) is touched only from there. `AsyncEngine`
 (app/async_engine.py) runs it on a thread and streams results to asyncio callers. The core splits as
 nano-vllm's does: the scheduler (app/scheduler.py) plans each step over the KV block manager
-(app/kv_blocks.py), the model runner (app/model_runner.py) runs it (CUDA graphs for decode), and the
-sampler (app/sampler.py) picks every row's token on the device.
+(app/kv_blocks.py), the model runner (app/model_runner.py) runs it (CUDA graphs for decode), the
+sampler (app/sampler.py) picks every row's token on the device, and app/outputs.py turns each token into
+the request's text, stops and output.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from app.attention import PagedKVCache, kv_cache_blocks
 from app import engine_report as report
 from app.config import EngineConfig
-from app.detokenizer import IncrementalText
 from app.errors import AdapterInUse, AdapterLoadFailed, CapacityExceeded, InvalidRequest, PromptTooLong
 from app.kv_blocks import BlockManager
 from app.lora import LoRASlots, pool_size
 from app.model_runner import ModelRunner
+from app.outputs import append_token, make_output
 from app.registry import AdapterRegistry, read_adapter
 from app.request import Request, RequestOutput
-from app.logprobs import EchoRows, TokenLogprob
+from app.logprobs import EchoRows
 from app.sampler import sample_batch, seed_for
 from app.sampling import SamplingParams
 from app.scheduler import Scheduler, StepPlan
@@ -173,7 +174,7 @@ class LLMEngine:
             return None
         request.finish_reason = "abort"
         self._finish(request)
-        return self._output(request, "", (), error=None)
+        return make_output(request, "", (), error=None)
 
     def hint(self, adapter_ids, incoming=(), withdrawn=(), hint_ids=None, withdrawn_ids=None) -> None:
         """Ask for adapters to be made resident ahead of need (the router's hint): one entry per request
@@ -247,7 +248,8 @@ class LLMEngine:
         synced_at = time.perf_counter()
         for owner, logprob in zip(echo.owners, prompt_logprobs):
             owner.prompt_logprobs.append(logprob)
-        outputs = [self._append(r, t, lp) for r, (t, lp) in zip(sampled, choices)]
+        outputs = [append_token(r, t, lp, self.tokenizer, self.eos_ids, self.max_model_len)
+                   for r, (t, lp) in zip(sampled, choices)]
         for request in sampled:
             if request.finish_reason is not None:
                 self._finish(request)
@@ -289,53 +291,6 @@ class LLMEngine:
         if self._by_prompt.get(key) is request:
             del self._by_prompt[key]
 
-    def _append(self, request: Request, token: int, logprob=None) -> RequestOutput:
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-        params = request.params
-        if params.max_tokens == 0:  # echo: the prompt (and its logprobs) only
-            request.finish_reason = "length"
-            return self._output(request, "", ())
-        request.output_ids.append(token)
-        if request.grammar is not None:
-            request.grammar.advance(token)
-        finish = None
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            finish = "stop"  # min_tokens masked these tokens until now (app/penalties.py)
-        detokenizer = request.detokenizer
-        if detokenizer is None:
-            detokenizer = request.detokenizer = IncrementalText(self.tokenizer, params.skip_special_tokens)
-        # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
-        exact = finish is not None and not params.include_stop_str_in_output
-        text = detokenizer.full() if exact else detokenizer.push(token)
-        # As vLLM, stop strings count only past min_tokens.
-        past_min = len(request.output_ids) > params.min_tokens
-        found = request.stop_checker.match(text, request.emitted) if past_min else None
-        if found is not None:
-            at, stop = found
-            text, finish = text[:at + len(stop) if params.include_stop_str_in_output else at], "stop"
-        elif finish is None and request.grammar is not None and request.grammar.is_finished:
-            finish = "stop"  # the JSON is complete: nothing but EOS could follow
-        elif finish is None and (len(request.output_ids) >= params.max_tokens
-                                 or request.num_tokens >= self.max_model_len):
-            finish = "length"
-        if finish and found is None and not exact:
-            text = detokenizer.full()  # a stream ends with one full decode of its tokens
-        end = len(text) if finish else request.stop_checker.safe_end(text)
-        delta = text[request.emitted:end]
-        request.emitted = max(request.emitted, end)
-        request.finish_reason = finish
-        return self._output(request, delta, (token,), logprobs=() if logprob is None else (logprob,))
-
-    def _output(self, request: Request, text: str, tokens: tuple, error=None, logprobs=()) -> RequestOutput:
-        prompt_logprobs = None
-        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and error is None:
-            request.prompt_logprobs_sent = True
-            prompt_logprobs = (TokenLogprob(request.prompt_ids[0], None),) + tuple(request.prompt_logprobs)
-        return RequestOutput(request.request_id, text, tokens, request.finish_reason is not None,
-                             request.finish_reason, len(request.prompt_ids), len(request.output_ids), error,
-                             logprobs, prompt_logprobs)
-
     def _steps_left(self, slot: int) -> int:
         """Decode steps until every running request on `slot` ends, at most (max_tokens; stops may come sooner)."""
         return max((r.params.max_tokens - len(r.output_ids) for r in self.running if r.slot == slot), default=0)
@@ -347,7 +302,7 @@ class LLMEngine:
             for request in [r for r in self.waiting if r.adapter_id == adapter_id]:
                 request.finish_reason = "error"
                 self._finish(request)
-                outputs.append(self._output(request, "", (), error=error))
+                outputs.append(make_output(request, "", (), error=error))
         return outputs
 
     # --- adapters, introspection ----------------------------------------------------------------

@@ -15,7 +15,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app import demo
+from app import demo, demo_text
 from app.targets import ATTENTION_TARGETS, SUPPORTED_TARGETS
 
 MAX_NEW_TOKENS = 24
@@ -124,7 +124,7 @@ def test_same_arguments_build_identical_bytes(tmp_path: Path):
 
 def test_llama3_8b_shape_rank16_adapter_is_83886080_bytes():
     size = demo.SIZES["llama3-8b-shape"]
-    config = size.llama_config(demo.build_tokenizer(size.max_positions))
+    config = size.llama_config(demo_text.build_tokenizer(size.max_positions))
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size) == (
         4096, 32, 14336, 128256)
     specs = demo.adapter_specs(size, size.default_adapters)
@@ -133,17 +133,18 @@ def test_llama3_8b_shape_rank16_adapter_is_83886080_bytes():
 
 
 def test_a_larger_model_vocabulary_is_filled_with_tokens_that_decode_to_text_and_encode_nothing_new():
-    plain = demo.build_tokenizer(2048)
-    filled = demo.build_tokenizer(2048, vocab=demo.TOKENIZER_VOCAB + 300)
-    assert (len(plain), len(filled)) == (demo.TOKENIZER_VOCAB, demo.TOKENIZER_VOCAB + 300)
+    plain = demo_text.build_tokenizer(2048)
+    filled = demo_text.build_tokenizer(2048, vocab=demo_text.TOKENIZER_VOCAB + 300)
+    assert (len(plain), len(filled)) == (demo_text.TOKENIZER_VOCAB, demo_text.TOKENIZER_VOCAB + 300)
     text = "The ship sails at dawn, t1500 and \u0120t1100! <|user|> 42"
     assert filled(text).input_ids == plain(text).input_ids
     chat = [{"role": "user", "content": "Where is the treasure?"}]
     assert filled.apply_chat_template(chat, add_generation_prompt=True) == \
         plain.apply_chat_template(chat, add_generation_prompt=True)
-    fillers = range(demo.TOKENIZER_VOCAB, len(filled))
+    fillers = range(demo_text.TOKENIZER_VOCAB, len(filled))
     assert all(filled.decode([i]) == f" t{i}" for i in fillers)
-    assert filled.decode([300, demo.TOKENIZER_VOCAB + 7]) == plain.decode([300]) + f" t{demo.TOKENIZER_VOCAB + 7}"
+    filler = demo_text.TOKENIZER_VOCAB + 7
+    assert filled.decode([300, filler]) == plain.decode([300]) + f" t{filler}"
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from app import demo
+from app import demo_text
 from app.detokenizer import IncrementalText
 
 
@@ -45,7 +45,7 @@ def test_an_unfinished_character_shows_as_the_full_decode_shows_it(demo_dir):
 
 
 def test_filled_8b_shape_vocabulary(demo_dir):
-    tokenizer = demo.build_tokenizer(2048, vocab=demo.TOKENIZER_VOCAB + 500)
+    tokenizer = demo_text.build_tokenizer(2048, vocab=demo_text.TOKENIZER_VOCAB + 500)
     _check_every_prefix(tokenizer, _streams(len(tokenizer), count=4), True)
 
 
@@ -54,7 +54,7 @@ def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    corpus = [" ".join(demo._sentences())] * 2
+    corpus = [" ".join(demo_text.sentences())] * 2
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
                                                         show_progress=False))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

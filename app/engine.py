@@ -93,6 +93,10 @@ class LLMEngine:
         # adapter's load began (no slot for it yet; a read into the host cache may run meanwhile).
         self.adapter_wait = Histogram(SECONDS_BUCKETS)
         self.adapter_wait_before_load = Histogram(SECONDS_BUCKETS)
+        # From a request's arrival here to its first token, and to its end: with the adapter wait, where a request's
+        # time at its replica goes (the router's hints change only the adapter wait directly).
+        self.first_token_time = Histogram(SECONDS_BUCKETS)
+        self.request_time = Histogram(SECONDS_BUCKETS)
         self.steps = 0
         self.timing = StepTiming()
         self.invariants = report.InvariantReport()
@@ -285,6 +289,9 @@ class LLMEngine:
             request.slot = None
 
     def _finish(self, request: Request) -> None:
+        if request.first_token_at is not None:
+            self.first_token_time.observe(request.first_token_at - request.arrival)
+        self.request_time.observe(time.perf_counter() - request.arrival)
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
         key = (request.adapter_id, tuple(request.prompt_ids))

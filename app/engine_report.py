@@ -89,6 +89,8 @@ def metrics(engine: LLMEngine, drain_stalls: bool = False) -> dict:
         "step_timing": engine.timing.summary(),
         "adapter_wait_seconds": engine.adapter_wait.as_dict(),
         "adapter_wait_before_load_seconds": engine.adapter_wait_before_load.as_dict(),
+        "first_token_seconds": engine.first_token_time.as_dict(),
+        "request_seconds": engine.request_time.as_dict(),
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
     }

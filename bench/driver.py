@@ -22,7 +22,8 @@ from app.engine import LLMEngine
 from app.sampling import SamplingParams
 from bench.workloads import Arrival
 
-HISTOGRAMS = ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds", "adapter_wait_before_load_seconds")
+HISTOGRAMS = ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds", "adapter_wait_before_load_seconds",
+              "first_token_seconds", "request_seconds")
 COUNTERS = ("hint_hits", "inflight_hits", "misses", "hinted_on_device", "hinted_in_host", "hinted_from_disk",
             "hints_received", "hints_late", "loads_started", "evictions",
             "wasted_prefetches", "wasted_prefetch_bytes")

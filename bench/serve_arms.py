@@ -67,6 +67,9 @@ NOTES = [
     "requests with an adapter; adapter_wait_before_load_s_mean: the part of it before its adapter's load into a slot "
     "began (waiting for a slot to free; a read into the host cache may run meanwhile). The rest is the load: the "
     "disk read, if the host cache did not hold the adapter, and the copy.",
+    "replica_first_token_s_mean and replica_request_s_mean (since session 11): from a request's arrival at its "
+    "replica's engine to its first token and to its end, over the requests that ended in the run; with "
+    "adapter_wait_s_mean they split a request's time at its replica (the rest of its E2E is the router and HTTP).",
     "The router's placement outcomes (affinity / spread / cold / ...) go to Prometheus only "
     "(lora_router_placements) and are not recorded here.",
 ]
@@ -167,6 +170,8 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
         "adapter_wait_s_mean": mean_of(delta["adapter_wait_seconds"]),
         "adapter_wait_before_load_s_mean": mean_of(delta["adapter_wait_before_load_seconds"]),
         "adapter_wait_histogram": delta["adapter_wait_seconds"],
+        "replica_first_token_s_mean": mean_of(delta["first_token_seconds"]),
+        "replica_request_s_mean": mean_of(delta["request_seconds"]),
         "hint_lead_histogram": lead,
         "hints_received": delta["hints_received"], "hints_late": delta["hints_late"], "hints_pushed": hints_pushed,
         "router_wait": router_wait(samples),

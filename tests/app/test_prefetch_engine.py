@@ -233,3 +233,5 @@ def test_adapter_wait_is_recorded_once_per_request(make_engine, manifest, adapte
     assert wait["count"] == before["count"] == 2 and wait["sum"] > 0
     # One slot: the second adapter's load began only once the first request freed it.
     assert 0 < before["sum"] <= wait["sum"]
+    first, whole = metrics["first_token_seconds"], metrics["request_seconds"]  # every request, the base one too
+    assert first["count"] == whole["count"] == 3 and wait["sum"] <= first["sum"] <= whole["sum"]

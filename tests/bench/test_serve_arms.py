@@ -30,7 +30,8 @@ def snapshot(scale: int, stall_s: float = 0.0, lead_s: float = 0.0, wait_s: floa
     histogram = lambda total: {"count": scale, "sum": total, "buckets": {"le_0.1": scale, "le_inf": 0}}  # noqa: E731
     return {**{k: scale for k in COUNTERS}, "steps": 10 * scale, "stall_seconds": histogram(stall_s),
             "hint_lead_seconds": histogram(lead_s), "adapter_wait_seconds": histogram(wait_s),
-            "adapter_wait_before_load_seconds": histogram(wait_s / 2),
+            "adapter_wait_before_load_seconds": histogram(wait_s / 2), "first_token_seconds": histogram(wait_s * 2),
+            "request_seconds": histogram(wait_s * 4),
             "tiers": {"disk_to_host": {"bytes": 1000 * scale, "seconds": 0.5 * scale, "reads": scale, "cache_hits": 0},
                       "host_to_device": {"bytes": 2000 * scale, "seconds": 1e-6 * scale}}}
 
@@ -57,6 +58,8 @@ def test_summary_rates_and_latencies():
              "hint_lead_seconds": {"count": 3, "sum": 0.3, "buckets": {}},
              "adapter_wait_seconds": {"count": 4, "sum": 0.2, "buckets": {}},
              "adapter_wait_before_load_seconds": {"count": 4, "sum": 0.1, "buckets": {}},
+             "first_token_seconds": {"count": 3, "sum": 0.6, "buckets": {}},
+             "request_seconds": {"count": 3, "sum": 1.5, "buckets": {}},
              "tiers": {"disk_to_host": {}, "host_to_device": {"gb_per_s": None}}}
     s = summarize(results, delta, {}, hints_pushed=4, samples=[(5, 3), (2, 2), (1, 4)])
     assert s["requests"] == 4 and s["completed"] == 3 and s["statuses"] == {"200": 3, "429": 1}
@@ -68,6 +71,7 @@ def test_summary_rates_and_latencies():
     assert s["hint_hit_rate_when_queued"] == 0.75 and s["hinted_arrivals"] == {"device": 3, "host": 1, "disk": 0}
     assert abs(s["stall_s_per_request"] - 0.1) < 1e-9 and abs(s["hint_lead_s_mean"] - 0.1) < 1e-9
     assert abs(s["adapter_wait_s_mean"] - 0.05) < 1e-9 and abs(s["adapter_wait_before_load_s_mean"] - 0.025) < 1e-9
+    assert abs(s["replica_first_token_s_mean"] - 0.2) < 1e-9 and abs(s["replica_request_s_mean"] - 0.5) < 1e-9
     assert s["router_wait"] == {"samples": 3, "mean": 2 / 3, "max": 2, "share_of_samples_waiting": 1 / 3}
     assert s["requests_per_replica"] == {"r1": 2, "r2": 1} and s["replicas_per_adapter_mean"] == 1.0
 

@@ -157,6 +157,17 @@ def app_args_for(args, base, adapter_dir, fields: dict):
     return AppArgs(**{**merged, **extra})
 
 
+def engine_loop(app_args_json: str) -> str:
+    """Where the launched replicas run their engine loop: "process" or "thread" (the app's default, engine_process
+    null, is a process on CUDA and a thread on CPU; the bench launches on this machine)."""
+    process = json.loads(app_args_json).get("engine_process")
+    if process is None:
+        import torch
+
+        process = torch.cuda.is_available()
+    return "process" if process else "thread"
+
+
 def replica_overrides(args, app_args, replicas: int) -> dict:
     """make_app's overrides of the replica options: the count, and --gpus-per-replica (num_cpus kept)."""
     from deploy.app import replica_options
@@ -283,6 +294,7 @@ def main(argv=None):
                "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "seed": args.seed,
                "slots": args.slots, "batch": args.batch, "runs": runs}
     payload["app_args"] = json.loads(args.app_args)
+    payload["engine_loop"] = engine_loop(args.app_args)
     print("wrote", write_result(f"serve-{args.workload[0]}-{args.size}{args.tag}", payload))
 
 

@@ -24,7 +24,7 @@ from app.demo import ensure_demo
 from app.engine import LLMEngine
 from app.sampling import SamplingParams
 from bench.common import REPO_DEMO, write_result
-from bench.serve_bench import launch
+from bench.serve_bench import engine_loop, launch
 from deploy.haproxy import HAPROXY_ENV
 
 PROMPT = "Tell me a story."
@@ -94,7 +94,8 @@ def main():
     print(result)
     # What launch chose: without an HAProxy binary here it falls back to Serve's proxy.
     result["http_path"] = "haproxy" if os.environ.get(HAPROXY_ENV) == "1" else "serve-proxy"
-    tag = "-engine-process" if result["app_args"].get("engine_process") else ""
+    result["engine_loop"] = engine_loop(args.app_args)
+    tag = "-engine-process" if result["engine_loop"] == "process" else ""
     tag += f"-replica-{result['app_args'].get('replica_transport', 'grpc')}"
     if result["http_path"] == "serve-proxy":
         result["proxy_transport"] = "grpc" if os.environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "actor"

@@ -8,7 +8,7 @@
 source bench/device/setup.sh
 case "${PART:-overhead}" in
 overhead)
-  for app in "{}" ${ENGINE_PROCESS:+'{"engine_process": true}'}; do
+  for app in '{"engine_process": false}' ${ENGINE_PROCESS:+'{"engine_process": true}'}; do
     timeout ${OVERHEAD_S:-240} python3 -m bench.serve_overhead --size tiny --requests ${REQUESTS:-100} \
       --app-args "$app" 2>&1 | quiet | tee -a "$OUT/serve-overhead.log" | grep -E "^\{|wrote"
     ray stop --force >/dev/null 2>&1

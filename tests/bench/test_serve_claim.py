@@ -41,3 +41,13 @@ def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
         assert summary["tiers"]["disk_to_host"]["reads"] == 0  # every adapter was in the host caches
     assert a["hints_received"] > 0 and a["hint_lead_histogram"]["count"] > 0
     assert a0["hints_received"] == a0["hints_pushed"] == 0
+
+
+def test_the_engine_loop_a_launch_runs_is_recorded():
+    """engine_process null (the app's default) is a process on CUDA and a thread on CPU; the results say which."""
+    import torch
+
+    from bench.serve_bench import engine_loop
+
+    assert engine_loop('{"engine_process": true}') == "process" and engine_loop('{"engine_process": false}') == "thread"
+    assert engine_loop("{}") == ("process" if torch.cuda.is_available() else "thread")

@@ -190,8 +190,10 @@ class LLMEngine:
         for adapter_id, hint_id in zip(adapter_ids, hint_ids or [None] * len(adapter_ids)):
             if adapter_id in self.registry:
                 outcome = self.hints.add(adapter_id, now, hint_id)
-                if outcome != "duplicate":
-                    self.residency.metrics.hints_received += 1
+                if outcome == "duplicate":
+                    self.residency.metrics.hints_duplicate += 1
+                    continue
+                self.residency.metrics.hints_received += 1
                 if outcome == "late":
                     self.residency.metrics.hints_late += 1
         for adapter_id, hint_id in zip(withdrawn, withdrawn_ids or [None] * len(withdrawn)):

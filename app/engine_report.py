@@ -63,7 +63,8 @@ def routing_stats(engine: LLMEngine) -> dict:
         "host_cache_adapters": host_adapters,
         "hint_room": hint_room(host_adapters, len(busy)),  # the router's budget of hinted adapters here
         "device": str(engine.device),
-        "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_late")},
+        "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_late",
+                                                 "hints_duplicate")},
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         "step_timing": engine.timing.summary(),
     }

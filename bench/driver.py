@@ -25,7 +25,7 @@ from bench.workloads import Arrival
 HISTOGRAMS = ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds", "adapter_wait_before_load_seconds",
               "first_token_seconds", "request_seconds")
 COUNTERS = ("hint_hits", "inflight_hits", "misses", "hinted_on_device", "hinted_in_host", "hinted_from_disk",
-            "hints_received", "hints_late", "loads_started", "evictions",
+            "hints_received", "hints_late", "hints_duplicate", "loads_started", "evictions",
             "wasted_prefetches", "wasted_prefetch_bytes")
 
 

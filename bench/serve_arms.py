@@ -55,7 +55,9 @@ NOTES = [
     "commit 6b4524a; before it, once per routing attempt). hints_pushed (the router actor's) also counts the "
     "incoming-kind hints to the replica a request may spread to, not the withdrawals. hints_late (since session 10) "
     "counts hints that reached an engine after their own request (matched by Serve's request id) and were dropped; "
-    "before, such a hint waited for its adapter's next request.",
+    "before, such a hint waited for its adapter's next request. hints_duplicate (since session 11) counts hints "
+    "an engine ignored because it held one for that request already; before d1f23d0 the router hinted a request "
+    "again each time a full replica turned it away, and the engine kept every copy.",
     "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
     "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
     "itl_s: gaps between streamed chunks that carry text; a chunk may carry several tokens, and a token that "
@@ -173,7 +175,8 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
         "replica_first_token_s_mean": mean_of(delta["first_token_seconds"]),
         "replica_request_s_mean": mean_of(delta["request_seconds"]),
         "hint_lead_histogram": lead,
-        "hints_received": delta["hints_received"], "hints_late": delta["hints_late"], "hints_pushed": hints_pushed,
+        "hints_received": delta["hints_received"], "hints_late": delta["hints_late"],
+        "hints_duplicate": delta["hints_duplicate"], "hints_pushed": hints_pushed,
         "router_wait": router_wait(samples),
         "wasted_prefetch_bytes": delta["wasted_prefetch_bytes"],
         "wasted_prefetch_bytes_evicted": delta["wasted_prefetch_bytes"], "unused_resident_bytes_at_end": None,

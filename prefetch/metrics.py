@@ -44,6 +44,7 @@ class PrefetchMetrics:
     hinted_from_disk: int = 0
     hints_received: int = 0
     hints_late: int = 0  # received just after an unhinted arrival of their adapter: that request's, dropped
+    hints_duplicate: int = 0  # a second hint for a request already hinted here: ignored (the router sends one)
     stalls: Histogram = field(default_factory=lambda: Histogram(STALL_BUCKETS_S))
     loads_started: int = 0
     load_failures: int = 0
@@ -73,6 +74,7 @@ class PrefetchMetrics:
             "hinted_from_disk": self.hinted_from_disk,
             "hints_received": self.hints_received,
             "hints_late": self.hints_late,
+            "hints_duplicate": self.hints_duplicate,
             "stall_seconds": self.stalls.as_dict(),
             "loads_started": self.loads_started,
             "load_failures": self.load_failures,

@@ -40,13 +40,14 @@ def test_a_request_consumes_its_own_hint_by_id_and_a_hint_after_its_request_is_d
     engine = make_engine(num_slots=2)
     prompt, adapter = manifest["prompts"][0], adapter_names[1]
     engine.hint([adapter, adapter], hint_ids=["r1", "r2"])
+    engine.hint([adapter], hint_ids=["r1"])  # r1 hinted again (a router that forgot it): kept once
     engine.add_request(prompt, adapter, greedy(2), hint_id="r2")
     assert engine.hints.demand() == [adapter]  # r1 is still on its way
     engine.add_request(prompt, adapter, greedy(2), hint_id="r3")  # it overtook its hint
     engine.hint([adapter], hint_ids=["r3"])
     assert engine.hints.demand() == [adapter] and engine.hint_lead.count == 1
     metrics = engine.metrics()
-    assert (metrics["hints_received"], metrics["hints_late"]) == (3, 1)
+    assert (metrics["hints_received"], metrics["hints_late"], metrics["hints_duplicate"]) == (3, 1, 1)
     assert engine.routing_stats()["arrivals"]["hints_late"] == 1
     engine.hint([], withdrawn=[adapter], withdrawn_ids=["r1"])  # r1 went to another replica
     assert adapter not in engine.hints

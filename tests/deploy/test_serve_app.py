@@ -118,9 +118,10 @@ def test_affinity_repeated_requests_stay_on_the_holding_replica(cluster, manifes
 
 
 def totals(view: dict) -> dict:
-    out = {"hint_hits": 0, "inflight_hits": 0, "misses": 0, "hints_received": 0, "lead_count": 0, "lead_sum": 0.0}
+    out = {"hint_hits": 0, "inflight_hits": 0, "misses": 0, "hints_received": 0, "hints_duplicate": 0, "lead_count": 0,
+           "lead_sum": 0.0}
     for stats in view.values():
-        for key in ("hint_hits", "inflight_hits", "misses", "hints_received"):
+        for key in ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_duplicate"):
             out[key] += stats["arrivals"][key]
         out["lead_count"] += stats["hint_lead_seconds"]["count"]
         out["lead_sum"] += stats["hint_lead_seconds"]["sum"]
@@ -140,6 +141,7 @@ def test_hints_reach_replicas_before_their_requests(cluster, manifest):
     delta = {k: after[k] - before[k] for k in after}
     print("hint deltas:", delta)
     assert delta["hints_received"] > 0
+    assert delta["hints_duplicate"] == 0, "a request turned away by a full replica was hinted again"
     assert delta["lead_count"] > 0 and delta["lead_sum"] > 0, "no hint arrived before its request"
     hinted = delta["lead_count"]
     assert delta["hint_hits"] + delta["inflight_hits"] >= 0.5 * (delta["hint_hits"] + delta["inflight_hits"]

@@ -158,14 +158,11 @@ def app_args_for(args, base, adapter_dir, fields: dict):
 
 
 def engine_loop(app_args_json: str) -> str:
-    """Where the launched replicas run their engine loop: "process" or "thread" (the app's default, engine_process
-    null, is a process on CUDA and a thread on CPU; the bench launches on this machine)."""
-    process = json.loads(app_args_json).get("engine_process")
-    if process is None:
-        import torch
+    """Where the launched replicas run their engine loop: "process" or "thread" (the app's rule, AppArgs.
+    engine_in_process; the bench launches on this machine)."""
+    from deploy.args import AppArgs
 
-        process = torch.cuda.is_available()
-    return "process" if process else "thread"
+    return "process" if AppArgs(build_demo=False, **json.loads(app_args_json)).engine_in_process() else "thread"
 
 
 def replica_overrides(args, app_args, replicas: int) -> dict:

@@ -108,6 +108,12 @@ class AppArgs(BaseModel):
     def served_model_id(self) -> str:
         return self.model_id or Path(self.base_model).name
 
+    def engine_in_process(self) -> bool:
+        """Whether a replica runs its engine loop in a child process: engine_process, or by default on CUDA."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return self.engine_config().torch_device().type == "cuda"
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             base_model=self.base_model, adapter_roots=tuple(self.adapter_roots), num_slots=self.num_slots,

@@ -41,10 +41,7 @@ class LoRAReplica:
         self.state_actor_name = get_deployment_actor_name(
             context.replica_id.deployment_id, STATE_ACTOR, code_version=context.code_version)
         config = self.args.engine_config()
-        in_process = self.args.engine_process
-        if in_process is None:
-            in_process = config.torch_device().type == "cuda"
-        if in_process:  # the engine loop in its own process: no GIL shared with this event loop
+        if self.args.engine_in_process():  # the engine loop in its own process: no GIL shared with this event loop
             self.engine = await asyncio.to_thread(EngineProcess, config)
         else:
             self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, config))

@@ -3,7 +3,7 @@
 # through Serve under HTTP load (Llama-3-8B shapes, 1 replica, 256 requests of 128 tokens, 64 at once,
 # compile_decode off for a shorter start-up unless a run says compile): output tokens/s, TTFT, chunk gaps and the
 # replica's step timing, once per entry of RUNS, each LOOP:INTERVAL_MS[:FLAG...]: LOOP is process (the engine in
-# its own process) or thread (the engine on a thread of the replica, the default), INTERVAL_MS the replica's
+# its own process, the app's default on a GPU since session 11) or thread (on a thread of the replica), INTERVAL_MS the replica's
 # stream_interval_ms; FLAG proxy sends HTTP through Serve's Python proxy instead of HAProxy, FLAG compile turns
 # compile_decode on (the default of the app; ~1 min more start-up). Set LORA_GIT_COMMIT.
 #   RUNS="process:0 process:20 process:50" WHEELS=.whl-serve bash bench/device/gpu_session10.sh

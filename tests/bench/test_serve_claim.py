@@ -51,3 +51,4 @@ def test_the_engine_loop_a_launch_runs_is_recorded():
 
     assert engine_loop('{"engine_process": true}') == "process" and engine_loop('{"engine_process": false}') == "thread"
     assert engine_loop("{}") == ("process" if torch.cuda.is_available() else "thread")
+    assert engine_loop('{"device": "cuda"}') == "process" and engine_loop('{"device": "cpu"}') == "thread"

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from app.config import GiB
-from app.targets import target_shapes
+from app.engine.config import GiB
+from app.adapters.targets import target_shapes
 from bench.common import REPO_DEMO, write_result
 from prefetch.layout import PageLayout
 from prefetch.policy import plan, view_of
@@ -96,8 +96,8 @@ def host_rounding(page_rows: int) -> list[dict]:
 
 def demo_engine(demo_dir: Path) -> dict:
     """The tiny demo's engine on CPU: hint all 8 demo adapters into the bytes of 4 rank-16 slots."""
-    from app.config import EngineConfig
-    from app.engine import LLMEngine
+    from app.engine.config import EngineConfig
+    from app.engine.engine import LLMEngine
 
     manifest = json.loads((demo_dir / "demo.json").read_text())
     padded = EngineConfig(base_model=str(demo_dir / "base"), adapter_roots=(str(demo_dir / "adapters"),),

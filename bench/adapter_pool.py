@@ -18,8 +18,8 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from app.demo import ensure_demo
-from app.targets import SUPPORTED_TARGETS, target_shapes
+from app.demo.build import ensure_demo
+from app.adapters.targets import SUPPORTED_TARGETS, target_shapes
 from bench.common import REPO_DEMO
 
 GPU_SIZE = "llama3-8b-shape"

@@ -4,7 +4,7 @@ run of an arm is played.
 Every arm runs on one engine: the adapter pool, host arena and KV cache are the same objects, so the
 memory is equal by construction. Between runs the engine is idle, its device pool (and, for a cold
 host tier, its host cache) is emptied, and `prefetch` is switched to the arm's setting; that flag is
-read at each step, hint and admission (app/engine.py), never cached.
+read at each step, hint and admission (app/engine/engine.py), never cached.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from app.config import EngineConfig
-from app.engine import LLMEngine
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.sampling.params import SamplingParams
 from bench.driver import RunRecord, run_trace
 from bench.workloads import Arrival, random_prompt
 

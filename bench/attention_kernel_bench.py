@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from app.kernels.attention import decode_workspace, paged_decode_attention
+from app.model.kernels.attention import decode_workspace, paged_decode_attention
 from bench.common import RESULTS, write_result
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 8, 128, 16

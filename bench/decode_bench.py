@@ -26,13 +26,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.attention import PagedKVCache
-from app.kernels import lora as lora_kernels
-from app.kv_blocks import BlockManager
-from app.lora import LoRASlots
-from app.model_runner import ModelRunner
-from app.scheduler import Chunk, StepPlan
-from app.targets import target_shapes
+from app.model.attention import PagedKVCache
+from app.model.kernels import lora as lora_kernels
+from app.engine.kv_blocks import BlockManager
+from app.model.lora import LoRASlots
+from app.engine.model_runner import ModelRunner
+from app.engine.scheduler import Chunk, StepPlan
+from app.adapters.targets import target_shapes
 from bench.common import timed_ms
 from prefetch.layout import PageLayout
 

@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from app.engine import LLMEngine
-from app.sampling import SamplingParams
+from app.engine.engine import LLMEngine
+from app.sampling.params import SamplingParams
 from bench.workloads import Arrival
 
 HISTOGRAMS = ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds", "adapter_wait_before_load_seconds",

@@ -35,9 +35,9 @@ from tqdm import tqdm
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from app.config import EngineConfig
-from app.demo import SIZES
-from app.targets import target_shapes
+from app.engine.config import EngineConfig
+from app.demo.build import SIZES
+from app.adapters.targets import target_shapes
 from bench import plots
 from bench.adapter_pool import prepare
 from bench.arms import (ARMS, build_engine, close_engine, drop_page_cache, fits, model_shape, play, pool_info,

@@ -4,7 +4,7 @@ For xgrammar, llguidance and outlines-core (whichever import): tokenizer set-up 
 time (json_object, a small schema, a 60-property schema), then the per-token host cost of a
 constrained row: fill its bitmask row and advance the matcher by the next token of a valid document
 (tokenized as the model would write it), and the device cost of applying a [B, V/32] bitmask to
-[B, V] logits (app/structured.py's `apply_bitmask`). There is no model hub here, so the 128k
+[B, V] logits (app/sampling/structured.py's `apply_bitmask`). There is no model hub here, so the 128k
 tokenizer is a byte-level BPE trained to 128,256 tokens on generated text (`tokenizer_128k`).
 
     python -m bench.grammar_bench            # writes bench/results/<device>-grammar-libs.json
@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from app.structured import Grammar, GrammarCompiler, apply_bitmask, json_object_spec, json_schema_spec
+from app.sampling.structured import Grammar, GrammarCompiler, apply_bitmask, json_object_spec, json_schema_spec
 from bench.common import REPO_DEMO, write_result
 
 SMALL = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -66,7 +66,7 @@ def tokenizer_128k(cache: Path) -> PreTrainedTokenizerFast:
 
 
 class XGrammar:
-    """What the engine runs (app/structured.py)."""
+    """What the engine runs (app/sampling/structured.py)."""
 
     def __init__(self, tokenizer):
         self.vocab, self.stop_ids = len(tokenizer), [tokenizer.eos_token_id]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from app.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, lora_apply
+from app.model.kernels.lora import DECODE, PREFILL, KernelConfig, LoRAWorkspace, lora_apply
 from bench.common import timed_ms
 
 TARGETS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from app.scheduler import Chunk, StepPlan
+from app.engine.scheduler import Chunk, StepPlan
 from bench.common import timed_ms
 from bench.decode_bench import Seq, build
 

@@ -197,7 +197,7 @@ def deploy(args, app_args, replicas: int) -> str:
 
 
 def launch(args, replicas: int, router: str) -> str:
-    from app.demo import ensure_demo
+    from app.demo.build import ensure_demo
     from bench.adapter_pool import GPU_SIZE, prepare
 
     if args.size == GPU_SIZE:  # random 16 GB base built on the GPU and random rank-16 adapters
@@ -281,7 +281,7 @@ def main(argv=None):
         results, elapsed = asyncio.run(run_load(url, models, args, np.random.default_rng(args.seed)))
         name = f"{replicas}rep-{router}" if args.launch else "external"
         runs[name] = summarize(results, elapsed)
-        # Where each replica's engine steps spent their time on the host, under this load (app/step_timing.py).
+        # Where each replica's engine steps spent their time on the host, under this load (app/engine/step_timing.py).
         view = httpx.get(f"{url}/v1/debug/replicas", timeout=30).json()["replicas"]
         runs[name]["step_timing"] = {uid: r.get("step_timing") for uid, r in
                                      (view.items() if isinstance(view, dict) else enumerate(view))}

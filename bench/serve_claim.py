@@ -25,9 +25,9 @@ import torch
 from ray import serve
 from transformers import AutoTokenizer
 
-from app.config import EngineConfig
-from app.demo import DEMO_VERSION
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.demo.build import DEMO_VERSION
+from app.sampling.params import SamplingParams
 from bench.adapter_pool import prepare
 from bench.arms import drop_page_cache
 from bench.common import write_result

@@ -20,9 +20,9 @@ import time
 
 import httpx
 
-from app.demo import ensure_demo
-from app.engine import LLMEngine
-from app.sampling import SamplingParams
+from app.demo.build import ensure_demo
+from app.engine.engine import LLMEngine
+from app.sampling.params import SamplingParams
 from bench.common import REPO_DEMO, write_result
 from bench.serve_bench import engine_loop, launch
 from deploy.haproxy import HAPROXY_ENV
@@ -68,7 +68,7 @@ def main():
     demo = ensure_demo(REPO_DEMO / args.size, size=args.size)
     adapter = json.loads((demo / "demo.json").read_text())["adapters"][0]["name"]
 
-    from app.config import EngineConfig
+    from app.engine.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(base_model=str(demo / "base"), adapter_roots=(str(demo / "adapters"),)))
     engine.register_adapter(adapter, str(demo / "adapters" / adapter))

@@ -16,7 +16,7 @@ import httpx
 import ray
 from ray import serve
 
-from app.demo import ensure_demo
+from app.demo.build import ensure_demo
 from bench.common import REPO_DEMO, write_result
 from deploy.app import make_app
 from deploy.args import AppArgs

@@ -185,9 +185,9 @@ class Soak:
 
 def expected_texts(demo_dir: Path) -> tuple[dict, dict]:
     """Greedy text of each demo adapter and the base model for each prompt, from the engine alone."""
-    from app.config import EngineConfig
-    from app.engine import LLMEngine
-    from app.sampling import SamplingParams
+    from app.engine.config import EngineConfig
+    from app.engine.engine import LLMEngine
+    from app.sampling.params import SamplingParams
 
     manifest = json.loads((demo_dir / "demo.json").read_text())
     paths = {a["name"]: str(demo_dir / a["path"]) for a in manifest["adapters"]}

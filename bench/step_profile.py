@@ -18,9 +18,9 @@ from dataclasses import replace
 
 import torch
 
-from app.config import EngineConfig
-from app.demo import SIZES
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.demo.build import SIZES
+from app.sampling.params import SamplingParams
 from bench.adapter_pool import prepare
 from bench.arms import build_engine, close_engine, reset_residency
 from bench.common import write_result

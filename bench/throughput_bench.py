@@ -83,7 +83,7 @@ class Tally:
 
 def engine_config(args, base: Path, adapter_dir: Path):
     """An EngineConfig from the fields this engine has; the rest are reported as skipped."""
-    from app.config import EngineConfig
+    from app.engine.config import EngineConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     wanted = {"base_model": str(base), "adapter_roots": (str(adapter_dir),), "num_slots": args.slots,
@@ -116,8 +116,8 @@ def _default(field, fallback):
 
 
 def run_engine(args, base: Path, adapter_dir: Path, names: list[str], work: Workload) -> dict:
-    from app.engine import LLMEngine
-    from app.sampling import SamplingParams
+    from app.engine.engine import LLMEngine
+    from app.sampling.params import SamplingParams
 
     config, skipped = engine_config(args, base, adapter_dir)
     built = time.perf_counter()
@@ -257,7 +257,7 @@ def _generate(model, prompts, max_tokens, adapters, pad: int, device, tally: Tal
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", default="ours", choices=["ours", "peft"])
-    p.add_argument("--size", default="tiny", help="demo size: tiny | small | llama3-8b-shape (app/demo.py)")
+    p.add_argument("--size", default="tiny", help="demo size: tiny | small | llama3-8b-shape (app/demo/build.py)")
     p.add_argument("--demo-dir", type=Path, default=None, help="a built demo to use for demo sizes")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--adapters", type=int, default=32)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.config import GiB, EngineConfig
+from app.engine.config import GiB, EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_DIR = REPO / "demo" / "tiny"

@@ -20,10 +20,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
-from app import api, responses
+from app.api import schemas as api
+
+from app.api import responses
 from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
                         InternalError, InvalidRequest, ModelNotFound, ServingError)
-from app.registry import AdapterRegistry, validate_adapter_id
+from app.adapters.registry import AdapterRegistry, validate_adapter_id
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.haproxy import HAPROXY_ENV

@@ -13,12 +13,12 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve._private.utils import get_deployment_actor_name
 
-from app.async_engine import AsyncEngine
-from app.engine_process import DiscardResult, EngineProcess
-from app.engine import LLMEngine
+from app.engine.async_engine import AsyncEngine
+from app.engine.process import DiscardResult, EngineProcess
+from app.engine.engine import LLMEngine
 from app.errors import AdapterError, InternalError, ServingError
-from app.fanout import generate_choices, merge_chunks, output_chunk
-from app.sampling import SamplingParams
+from app.api.fanout import generate_choices, merge_chunks, output_chunk
+from app.sampling.params import SamplingParams
 from deploy import metrics
 from deploy.args import AppArgs
 
@@ -77,7 +77,7 @@ class LoRAReplica:
         return {"choices": merge_chunks(chunks), "replica": self.uid}
 
     async def stream(self, body: dict):
-        """Yields each choice's chunks (app/fanout.py's output_chunk, with "replica"), or one {"error"}."""
+        """Yields each choice's chunks (app/api/fanout.py's output_chunk, with "replica"), or one {"error"}."""
         try:
             params = SamplingParams(**body["params"])
             adapter_id = body.get("adapter_id")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.demo import ensure_demo
+from app.demo.build import ensure_demo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

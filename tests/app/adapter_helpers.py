@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.registry import CONFIG_NAME, WEIGHTS_NAME, AdapterRegistry
-from app.targets import ATTENTION_TARGETS
+from app.adapters.registry import CONFIG_NAME, WEIGHTS_NAME, AdapterRegistry
+from app.adapters.targets import ATTENTION_TARGETS
 
 ATTN = list(ATTENTION_TARGETS)
 

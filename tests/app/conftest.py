@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.engine import LLMEngine
+from app.engine.engine import LLMEngine
 from engine_helpers import engine_config
 
 

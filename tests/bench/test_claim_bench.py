@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from app.config import EngineConfig
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.sampling.params import SamplingParams
 from bench import engine_bench
 from bench.adapter_pool import prepare
 from bench.arms import ARMS, build_engine, close_engine, reset_residency, use_arm

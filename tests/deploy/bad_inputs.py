@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from app.api import MAX_TOKENS_LIMIT
+from app.api.schemas import MAX_TOKENS_LIMIT
 
 PROMPT = "Tell me a story."
 

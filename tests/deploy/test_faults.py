@@ -12,9 +12,9 @@ import pytest
 import ray
 from safetensors.torch import load_file, save_file
 
-from app.config import EngineConfig
-from app.engine import LLMEngine
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.sampling.params import SamplingParams
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 8

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.api import MAX_TOKENS_LIMIT
+from app.api.schemas import MAX_TOKENS_LIMIT
 from bad_inputs import BAD_INPUT, CONTROL, completion
 from deploy.args import AppArgs
 

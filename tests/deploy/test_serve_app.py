@@ -12,9 +12,9 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from app.config import EngineConfig
-from app.engine import LLMEngine
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.sampling.params import SamplingParams
 
 PROMPT = "Tell me a story."
 
@@ -337,7 +337,7 @@ def test_openai_surface_logprobs_echo_n_batch_prompts_and_refusals(cluster, oai,
 
 
 def test_engine_in_its_own_process_serves_the_same_text(cluster, oai, expected):
-    """engine_process=True (app/engine_process.py): a rolling update onto replicas whose engine loop runs in
+    """engine_process=True (app/engine/process.py): a rolling update onto replicas whose engine loop runs in
     a child process; the text is the engine-alone text, streamed or not, and the replicas report as before."""
     before = set(cluster.replicas())
     cluster.deploy(replicas=2, wait_replicas=False, engine_process=True)

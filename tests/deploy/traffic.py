@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 
-from app.config import EngineConfig
-from app.engine import LLMEngine
-from app.sampling import SamplingParams
+from app.engine.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.sampling.params import SamplingParams
 from bench.common import completion_stream_text
 
 PROMPT = "Tell me a story."

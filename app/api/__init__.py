@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request schemas, response bodies, and the fan-out of one request's choices."""

@@ -1,0 +1,1 @@
+"""The generation engine: scheduler, KV blocks, model runner, request life, and the loops that run it."""

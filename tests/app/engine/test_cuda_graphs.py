@@ -1,0 +1,101 @@
+"""CUDA graphs (marker `gpu`): graph replay and compiled decode equal eager and PEFT, and the paged adapter pool
+replayed in graphs equals padded slots."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from app.adapters.targets import target_shapes
+from engine_helpers import agrees_up_to_near_tie, bf16_reference, greedy, run_all
+from prefetch.layout import PageLayout
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def graph_model(tmp_path_factory, demo_dir):
+    """A random model whose head_dim (64) the Triton decode kernel takes, with three random adapters of
+    mixed ranks: the tiny demo's head_dim (16) runs the torch reference, without graphs."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("graphs")
+    tokenizer = AutoTokenizer.from_pretrained(Path(demo_dir) / "base")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    for i, rank in enumerate((4, 8, 16)):
+        peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"),
+                                    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.data.normal_(0, 0.05)
+        peft_model.save_pretrained(root / "adapters" / f"a{i}")
+    return root
+
+
+def test_graph_replay_equals_eager_and_peft(make_engine, graph_model, manifest):
+    names = ["a0", "a1", "a2"]
+    prompts = manifest["prompts"]
+    jobs = [(prompts[i % len(prompts)], ([None] + names)[i % 4]) for i in range(10)]
+    outputs = {}
+    for variant in ("compiled", "graphs", "eager"):
+        graphs = variant != "eager"
+        engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
+                             adapter_roots=(str(graph_model / "adapters"),), num_slots=4, cuda_graphs=graphs,
+                             compile_decode=variant == "compiled",
+                             max_prefill_tokens_per_step=16)  # prompts chunk while others decode: mixed steps
+        assert bool(engine.runner.graphs) == graphs and engine.runner.compiled == (variant == "compiled")
+        for name in names:
+            engine.register_adapter(name, str(graph_model / "adapters" / name))
+        requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
+        tokens = run_all(engine, check=True)
+        outputs[variant] = [tokens[r.request_id] for r in requests]
+        assert (engine.runner.mixed_replays > 0) == graphs, "steps that prefill did not replay graphs"
+    # Same kernels both ways except the decode attention's split count, which follows the bucket size, and
+    # the prefill tokens' attention (graphs: the decode kernel, one row per token; eager: varlen flash).
+    same = sum(a == b for a, b in zip(outputs["graphs"], outputs["eager"]))
+    assert same >= 9, f"{same}/10 identical between graph replay and eager"
+    # inductor fuses RMSNorm and RoPE: bf16 rounding may differ, so near ties may flip; PEFT decides.
+    for variant in ("compiled", "graphs"):
+        for (prompt, adapter), got in zip(jobs, outputs[variant]):
+            tokens, scores, _ = bf16_reference(graph_model, None if adapter is None else f"adapters/{adapter}",
+                                              prompt, MAX_NEW)
+            assert agrees_up_to_near_tie(got, tokens, scores), (variant, adapter, got, tokens)
+
+
+def test_paged_adapter_pool_under_graphs_equals_padded_slots(make_engine, graph_model, manifest):
+    """Rank-aware pages (the three adapters, ranks 4/8/16, share the bytes of one rank-16 slot and a half, so
+    they churn) replayed in decode graphs give the tokens of padded slots: the kernels follow the page table."""
+    names = ["a0", "a1", "a2"]
+    prompts = manifest["prompts"]
+    jobs = [(prompts[i % len(prompts)], ([None] + names)[i % 4]) for i in range(12)]
+    outputs = {}
+    for variant in ("padded", "paged"):
+        sizing = {"num_slots": 4} if variant == "padded" else {"num_slots": None,
+                                                                "adapter_memory_bytes": 6 * _page(graph_model)}
+        engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
+                             adapter_roots=(str(graph_model / "adapters"),), compile_decode=False,
+                             max_prefill_tokens_per_step=16, **sizing)
+        assert engine.runner.graphs
+        for name in names:
+            engine.register_adapter(name, str(graph_model / "adapters" / name))
+        requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
+        tokens = run_all(engine, check=True)
+        outputs[variant] = [tokens[r.request_id] for r in requests]
+        if variant == "paged":
+            assert engine.residency.pool.num_pages == 6 and engine.metrics()["evictions"] > 0
+    same = sum(a == b for a, b in zip(outputs["padded"], outputs["paged"]))
+    assert same >= 11, f"{same}/12 identical between paged and padded slots"
+
+
+def _page(graph_model) -> int:
+    """Bytes of one page (4 rank rows of every target) of graph_model in bf16."""
+    config = LlamaConfig.from_pretrained(graph_model / "base")
+    return PageLayout(target_shapes(config), max_rank=16).page_nbytes(torch.bfloat16)

@@ -1,0 +1,114 @@
+"""The engine core on the tiny demo: chunked prefill, KV exhaustion (preemption and refusal), batched prefill."""
+
+import pytest
+
+from app.errors import InvalidRequest
+from engine_helpers import greedy, jobs, packed_reference, run_all
+
+
+def generate(engine, work, max_tokens=10):
+    requests = [engine.add_request(p, a, greedy(max_tokens, ignore_eos=True)) for p, a in work]
+    tokens = run_all(engine, check=True)
+    return [tokens[r.request_id] for r in requests]
+
+
+def test_chunked_prefill_equals_unchunked(make_engine, manifest, adapter_names):
+    work = jobs(manifest, adapter_names)
+    whole = generate(make_engine(num_slots=8), work)
+    chunked_engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
+    chunked = generate(chunked_engine, work)
+    assert chunked == whole
+    assert max(len(chunked_engine.tokenizer(p)["input_ids"]) for p, _ in work) > 7, "no prompt was chunked"
+
+
+def test_batched_prefill_runs_several_requests_in_one_step(make_engine, manifest, adapter_names):
+    engine = make_engine(num_slots=8)
+    work = jobs(manifest, adapter_names, 6)
+    generate(engine, work, max_tokens=1)  # make the adapters resident first
+    for prompt, adapter in work:
+        engine.add_request(prompt, adapter, greedy(4))
+    outputs = engine.step()
+    assert len({a for _, a in work}) == 6
+    assert len(outputs) == 6 and len(engine.running) == 6, "the six prefills did not share one step"
+
+
+def test_kv_exhaustion_preempts_and_outputs_stay_exact(make_engine, manifest, adapter_names):
+    work = jobs(manifest, adapter_names, 8)
+    roomy = generate(make_engine(num_slots=8), work, max_tokens=24)
+    # 12 blocks of 16 tokens for 8 requests of up to ~70 tokens each: they cannot all stay resident.
+    tight = make_engine(num_slots=8, max_total_tokens=192, max_input_tokens=128)
+    assert generate(tight, work, max_tokens=24) == roomy
+    metrics = tight.metrics()
+    assert metrics["preemptions"] > 0, "the cache never ran out"
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"] and metrics["slots_pinned"] == 0
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submission(make_engine, manifest):
+    engine = make_engine(max_total_tokens=64, max_input_tokens=32)
+    with pytest.raises(InvalidRequest, match="KV cache"):
+        engine.add_request(manifest["prompts"][0], None, greedy(60))
+    assert not engine.has_requests()
+
+
+def test_packed_varlen_prefill_equals_per_sequence(make_engine, manifest, adapter_names, monkeypatch):
+    """The runner's packing for one varlen call per layer (context rows gathered from the paged cache,
+    query and context offsets) against the per-sequence path, with chunks that continue earlier ones.
+    CUDA runs torch's flash varlen here (a GPU test checks it); on CPU its contract stands in."""
+    from app.model import attention
+
+    work = jobs(manifest, adapter_names)
+    whole = generate(make_engine(num_slots=8), work)
+    engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
+    calls = []
+    monkeypatch.setattr(attention, "VARLEN", lambda *args: calls.append(1) or packed_reference(*args))
+    engine.runner.use_varlen = True
+    assert generate(engine, work) == whole
+    assert calls, "the packed path never ran"
+
+
+def test_start_up_warm_step_touches_only_scratch(make_engine, manifest, adapter_names):
+    """The runner's start-up eager step (CUDA runs it to compile the LoRA kernels' configs) writes only the
+    scratch block and reads slot 0: requests before and after it, and around it mid-flight, are unchanged."""
+    work = jobs(manifest, adapter_names, 6)
+    engine = make_engine(num_slots=8)
+    before = generate(engine, work)
+    requests = [engine.add_request(p, a, greedy(10, ignore_eos=True)) for p, a in work]
+    tokens = {}
+    for _ in range(3):
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    engine.runner._warm_eager()
+    for request_id, more in run_all(engine, check=True).items():
+        tokens.setdefault(request_id, []).extend(more)
+    assert [tokens[r.request_id] for r in requests] == before
+
+
+def test_prefill_tokens_as_decode_rows_equal_prefill(make_engine, manifest, adapter_names, monkeypatch):
+    """What a graph replays for a step that prefills: every prompt token as a decode row with its sequence's
+    block table and context position + 1 (`as_decode_rows`), here through the decode reference on CPU,
+    with chunks that continue earlier ones and decode rows beside them."""
+    from app.engine.model_runner import as_decode_rows
+
+    work = jobs(manifest, adapter_names)
+    whole = generate(make_engine(num_slots=8), work)
+    engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
+    forward, converted = engine.runner._forward_eager, []
+
+    def rows_forward(inputs):
+        if inputs.prefill_tables:
+            converted.append(inputs.num_decode)
+            inputs = as_decode_rows(inputs)
+            assert not inputs.prefill_tables and inputs.num_decode == len(inputs.input_ids)
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.runner, "_forward_eager", rows_forward)
+    assert generate(engine, work) == whole
+    assert converted and max(converted) > 0, "no step mixed decode rows with prefill tokens"
+
+
+def test_graph_buckets_cover_decode_batches_then_step_tokens():
+    from app.engine.model_runner import graph_buckets
+
+    assert graph_buckets(32, 512) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]
+    assert graph_buckets(32, 0) == graph_buckets(32, 32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_buckets(64, 100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 100]

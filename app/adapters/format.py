@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from peft.tuners.tuners_utils import check_target_module_exists
-from peft.utils.other import get_pattern_key
 
 from app.errors import (
     AdapterConfigMismatch,
@@ -26,6 +24,7 @@ from app.errors import (
     AdapterShapeMismatch,
     AdapterTargetUnsupported,
 )
+from app.adapters.patterns import pattern_value, selected_modules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -68,6 +67,8 @@ def read_config(adapter_id: str, config_file: Path) -> LoraConfig:
                 f"adapter '{adapter_id}': peft_type is {raw.get('peft_type')!r}; only 'LORA' adapters are served"
             )
         config = LoraConfig.from_peft_type(**raw)  # drops keys from newer PEFT versions, with a warning
+    except RecursionError as e:
+        raise AdapterFormatError(f"adapter '{adapter_id}': {CONFIG_NAME} nests too deeply to be a LoRA config") from e
     except (OSError, ValueError, TypeError) as e:
         raise AdapterFormatError(f"adapter '{adapter_id}': {CONFIG_NAME} is not a valid LoRA config: {e}") from e
     for field, feature, error in _UNSERVED_FEATURES:
@@ -136,41 +137,66 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors library enforces
+# The kernels take these; other floats (float8) would need scales PEFT does not store, and torch has no isfinite for them.
+_SERVED_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 
-def read_adapter_file(adapter_id: str, weights_file: Path) -> AdapterFile:
-    """Read and parse a safetensors file; anything malformed raises AdapterFormatError, I/O errors OSError."""
+@dataclass(frozen=True)
+class AdapterHeader:
+    """A safetensors file's header, checked: its tensors tile the data section exactly."""
+
+    entries: dict[str, StoredTensor]
+    data_offset: int  # 8 + the header's size
+    data_nbytes: int
+
+
+def _bad_file(adapter_id: str):
     def bad(why: str) -> AdapterFormatError:
         return AdapterFormatError(f"adapter '{adapter_id}': {WEIGHTS_NAME} is not readable safetensors: {why}")
+    return bad
 
-    with open(weights_file, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise bad("shorter than its 8-byte header size")
-        header_size = int.from_bytes(prefix, "little")
-        total = os.fstat(f.fileno()).st_size
-        if header_size > min(_MAX_HEADER_BYTES, total - 8):
-            raise bad(f"header size {header_size} does not fit the {total}-byte file")
-        try:
-            header = json.loads(f.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"header is not JSON ({e})") from e
-        if not isinstance(header, dict):
-            raise bad("header is not a JSON object")
-        buffer = bytearray(total - 8 - header_size)
-        if f.readinto(buffer) != len(buffer):
-            raise bad("the file changed while it was read")
+
+def read_header(adapter_id: str, f) -> AdapterHeader:
+    """Parse and check the header of the open file `f` from its first bytes, without reading the data, so a
+    padded or truncated file is refused before its size costs anything."""
+    bad = _bad_file(adapter_id)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise bad("shorter than its 8-byte header size")
+    header_size = int.from_bytes(prefix, "little")
+    total = os.fstat(f.fileno()).st_size
+    if header_size > min(_MAX_HEADER_BYTES, total - 8):
+        raise bad(f"header size {header_size} does not fit the {total}-byte file")
+    try:
+        header = json.loads(f.read(header_size))
+    except RecursionError as e:
+        raise bad("header nests too deeply") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
     header.pop("__metadata__", None)
     entries = {key: _entry(key, value, bad) for key, value in header.items()}
+    data_nbytes = total - 8 - header_size
     covered = 0
     for entry in sorted(entries.values(), key=lambda e: e.start):
         if entry.start != covered:
             raise bad("tensor data overlaps or leaves gaps")
         covered = entry.end
-    if covered != len(buffer):
-        raise bad(f"tensors cover {covered} of {len(buffer)} data bytes (truncated or padded file)")
+    if covered != data_nbytes:
+        raise bad(f"tensors cover {covered} of {data_nbytes} data bytes (truncated or padded file)")
+    return AdapterHeader(entries, 8 + header_size, data_nbytes)
+
+
+def read_adapter_file(adapter_id: str, weights_file: Path) -> AdapterFile:
+    """Read and parse a safetensors file; anything malformed raises AdapterFormatError, I/O errors OSError."""
+    with open(weights_file, "rb") as f:
+        header = read_header(adapter_id, f)
+        buffer = bytearray(header.data_nbytes)
+        if f.readinto(buffer) != len(buffer):
+            raise _bad_file(adapter_id)("the file changed while it was read")
     data = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
-    return AdapterFile(data, entries)
+    return AdapterFile(data, header.entries)
 
 
 def _entry(key: str, value, bad) -> StoredTensor:
@@ -195,14 +221,29 @@ def read_modules(
     num_layers: int | None,
     check_finite: bool = True,
 ) -> tuple[AdapterFile, dict[str, tuple[str, str]]]:
-    """The file and module path -> (key of A [r, in], key of B [out, r]), after checking keys, targets,
-    shapes and (check_finite) that every value is finite. OSError passes through."""
+    """The file read whole and module path -> (key of A [r, in], key of B [out, r]), after checking keys,
+    targets, shapes and (check_finite) that every value is finite. OSError passes through."""
     file = read_adapter_file(adapter_id, weights_file)
-    if not file.entries:
+    modules = check_modules(adapter_id, file.entries, supported_targets, base_shapes, num_layers)
+    if check_finite:
+        for key in sorted(file.entries):
+            _check_finite(adapter_id, key, file.flat(key))
+    return file, modules
+
+
+def check_modules(
+    adapter_id: str,
+    entries: Mapping[str, StoredTensor],
+    supported_targets: frozenset[str],
+    base_shapes: Mapping[str, tuple[int, int]],
+    num_layers: int | None,
+) -> dict[str, tuple[str, str]]:
+    """module path -> (key of A [r, in], key of B [out, r]), from the header alone: keys, targets, dtypes, shapes."""
+    if not entries:
         raise AdapterFormatError(f"adapter '{adapter_id}': {WEIGHTS_NAME} holds no tensors")
 
     module_to_parts: dict[str, dict[str, str]] = {}
-    for key, entry in sorted(file.entries.items()):
+    for key, entry in sorted(entries.items()):
         match = _TENSOR_KEY_RE.fullmatch(key)
         if match is None:
             raise AdapterFormatError(
@@ -222,18 +263,19 @@ def read_modules(
             raise AdapterFormatError(
                 f"adapter '{adapter_id}': unexpected tensor {key!r}; only lora_A.weight and lora_B.weight are served"
             )
-        if not entry.dtype.is_floating_point:
-            raise AdapterFormatError(f"adapter '{adapter_id}': tensor {key!r} has dtype {entry.dtype}, not a float")
+        if entry.dtype not in _SERVED_DTYPES:
+            raise AdapterFormatError(
+                f"adapter '{adapter_id}': tensor {key!r} has dtype {entry.dtype}; adapters are served from "
+                "float32, float16 or bfloat16 weights"
+            )
         module_to_parts.setdefault(module, {})[_SERVED_PARTS[rest]] = key
-    if check_finite:
-        _check_finite(adapter_id, file)
 
     modules = {}
     for module, parts in module_to_parts.items():
         if len(parts) != 2:
             missing = "lora_B" if "A" in parts else "lora_A"
             raise AdapterFormatError(f"adapter '{adapter_id}': module {module} has no {missing}.weight tensor")
-        a, b = file.entries[parts["A"]], file.entries[parts["B"]]
+        a, b = entries[parts["A"]], entries[parts["B"]]
         in_features, out_features = base_shapes[module]
         r = a.shape[0] if a.ndim == 2 else -1
         if r < 1 or tuple(a.shape) != (r, in_features) or tuple(b.shape) != (out_features, r):
@@ -243,15 +285,33 @@ def read_modules(
                 "(was the adapter trained on a different base model?)"
             )
         modules[module] = (parts["A"], parts["B"])
-    return file, modules
+    return modules
 
 
-def _check_finite(adapter_id: str, file: AdapterFile) -> None:
-    for key in sorted(file.entries):
-        flat = file.flat(key)
-        if not torch.isfinite(flat).all():
-            num_bad = int((~torch.isfinite(flat)).sum())
-            raise AdapterNonFinite(f"adapter '{adapter_id}': tensor {key!r} has {num_bad} NaN/Inf values of {flat.numel()}")
+def _check_finite(adapter_id: str, key: str, values: torch.Tensor) -> None:
+    finite = torch.isfinite(values)
+    if not finite.all():
+        raise AdapterNonFinite(
+            f"adapter '{adapter_id}': tensor {key!r} has {int((~finite).sum())} NaN/Inf values of {values.numel()}"
+        )
+
+
+_FINITE_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def check_finite_on_disk(adapter_id: str, f, header: AdapterHeader) -> None:
+    """Every value of every tensor is finite, read in chunks of at most 16 MiB: registration checks files of up
+    to max_adapter_bytes without holding one in memory."""
+    buffer = bytearray(_FINITE_CHUNK_BYTES)
+    for key, entry in sorted(header.entries.items(), key=lambda item: item[1].start):
+        f.seek(header.data_offset + entry.start)
+        step = _FINITE_CHUNK_BYTES - _FINITE_CHUNK_BYTES % entry.dtype.itemsize
+        for start in range(entry.start, entry.end, step):
+            n = min(step, entry.end - start)
+            view = memoryview(buffer)[:n]
+            if f.readinto(view) != n:
+                raise _bad_file(adapter_id)("the file changed while it was read")
+            _check_finite(adapter_id, key, torch.frombuffer(view, dtype=torch.uint8).view(entry.dtype))
 
 
 def check_config_matches(
@@ -261,7 +321,7 @@ def check_config_matches(
     base_shapes: Mapping[str, tuple[int, int]],
 ) -> dict[str, float]:
     """Check that the config describes the tensors (ranks, targets); return module path -> scale as PEFT computes it."""
-    selected = {module for module in base_shapes if check_target_module_exists(config, module)}
+    selected = selected_modules(adapter_id, config, base_shapes)
     untargeted = sorted(set(module_ranks) - selected)
     if untargeted:
         raise AdapterConfigMismatch(
@@ -277,16 +337,33 @@ def check_config_matches(
     rank_pattern, alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
     module_scales = {}
     for module, tensor_rank in module_ranks.items():
-        # Same lookup as peft.tuners.lora.LoraModel._create_and_replace.
-        r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.r)
-        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.lora_alpha)
+        # The lookup peft.tuners.lora.LoraModel._create_and_replace makes (app/adapters/patterns.py).
+        r = pattern_value(adapter_id, "rank_pattern", rank_pattern, module, config.r)
+        alpha = pattern_value(adapter_id, "alpha_pattern", alpha_pattern, module, config.lora_alpha)
         if tensor_rank != r:
             raise AdapterConfigMismatch(
                 f"adapter '{adapter_id}': module {module} has rank {tensor_rank} in its tensors but {r} in "
                 f"{CONFIG_NAME} (r / rank_pattern)"
             )
-        module_scales[module] = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+        module_scales[module] = _scale(adapter_id, module, alpha, r, config.use_rslora)
     return module_scales
+
+
+# |lora_alpha / r| past this makes the LoRA term swamp the base model's activations (and overflow in bf16);
+# no trained adapter comes near it, so a larger scale is a broken or hostile config.
+MAX_LORA_SCALE = 1e4
+
+
+def _scale(adapter_id: str, module: str, alpha, r: int, use_rslora: bool) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise AdapterInvalid(f"adapter '{adapter_id}': lora_alpha for {module} is {alpha!r}, not a number")
+    scale = alpha / math.sqrt(r) if use_rslora else alpha / r
+    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+        raise AdapterInvalid(
+            f"adapter '{adapter_id}': lora_alpha {alpha!r} with r {r} scales {module} by {scale!r}; "
+            f"a finite scale of at most {MAX_LORA_SCALE:g} in magnitude is served"
+        )
+    return float(scale)
 
 
 def _targets_text(config: LoraConfig) -> str:

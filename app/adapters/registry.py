@@ -1,7 +1,9 @@
 """Adapter registry: checks a PEFT LoRA folder against the base model once, then serves its spec by id.
 
-Registration reads every tensor so that a bad adapter is refused before any request uses it. `read_adapter`
-reads the file again at load time, because files may change or vanish after registration.
+Registration checks the header against the base model first, then streams every value through the NaN/Inf
+check in bounded chunks, so a bad adapter is refused before any request uses it and a large file never sits
+in memory. `read_adapter` reads the file again at load time, because files may change or vanish after
+registration.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from app.adapters.format import (
     WEIGHTS_NAME,
     AdapterFile,
     check_config_matches,
+    check_finite_on_disk,
+    check_modules,
     read_config,
+    read_header,
     read_modules,
     short_name,
 )
@@ -107,7 +112,7 @@ class AdapterRegistry:
         self._adapter_id_to_spec: dict[str, AdapterSpec] = {}
 
     def register(self, adapter_id: str, path: str | Path) -> AdapterSpec:
-        spec = self.validate(adapter_id, path)  # outside the lock: it reads the whole file
+        spec = self.validate(adapter_id, path)  # outside the lock: it reads the file
         with self._lock:
             if adapter_id in self._adapter_id_to_spec:
                 raise AdapterAlreadyExists(f"adapter '{adapter_id}' is already registered; unregister it first")
@@ -155,15 +160,21 @@ class AdapterRegistry:
                 f"adapter '{adapter_id}': {WEIGHTS_NAME} is {nbytes} bytes > max_adapter_bytes {self.max_adapter_bytes}"
             )
         config = read_config(adapter_id, config_file)
-        file, modules = read_modules(adapter_id, weights_file, self.supported_targets, self.base_shapes,
-                                     self.num_layers)
-        module_ranks = {module: file.entries[a].shape[0] for module, (a, _) in modules.items()}
-        rank = max(module_ranks.values())
-        if rank > self.max_rank:
-            raise AdapterRankTooHigh(
-                f"adapter '{adapter_id}': rank {rank} > max_rank {self.max_rank} (set max_rank >= {rank})"
-            )
-        module_scales = check_config_matches(adapter_id, config, module_ranks, self.base_shapes)
+        try:
+            with open(weights_file, "rb") as f:
+                header = read_header(adapter_id, f)
+                modules = check_modules(adapter_id, header.entries, self.supported_targets, self.base_shapes,
+                                        self.num_layers)
+                module_ranks = {module: header.entries[a].shape[0] for module, (a, _) in modules.items()}
+                rank = max(module_ranks.values())
+                if rank > self.max_rank:
+                    raise AdapterRankTooHigh(
+                        f"adapter '{adapter_id}': rank {rank} > max_rank {self.max_rank} (set max_rank >= {rank})"
+                    )
+                module_scales = check_config_matches(adapter_id, config, module_ranks, self.base_shapes)
+                check_finite_on_disk(adapter_id, f, header)  # last: the only step that reads the data
+        except OSError as e:
+            raise AdapterFormatError(f"adapter '{adapter_id}': cannot read {WEIGHTS_NAME}: {e.strerror or e}") from e
         return AdapterSpec(
             adapter_id=adapter_id,
             path=folder,
@@ -178,7 +189,10 @@ class AdapterRegistry:
         )
 
     def _resolve_folder(self, adapter_id: str, path: str | Path) -> Path:
-        candidate = Path(path).expanduser()
+        try:
+            candidate = Path(path).expanduser()
+        except RuntimeError as e:  # "~user" of no such user, or no home directory
+            raise AdapterFormatError(f"adapter '{adapter_id}': cannot expand {str(path)!r}: {e}") from e
         if not candidate.is_absolute() and not candidate.exists():
             under_roots = [root / candidate for root in self.roots]
             candidate = next((p for p in under_roots if p.exists()), under_roots[0])

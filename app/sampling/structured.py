@@ -48,6 +48,46 @@ def json_schema_spec(schema: dict | bool) -> str:
     return json.dumps({"type": "json_schema", "schema": schema}, separators=(",", ":"))
 
 
+# Keywords xgrammar's JSON-schema converter accepts but does not enforce (its grammar lets violating output
+# through, measured on xgrammar 0.2.8): a schema that uses one is refused rather than served unchecked.
+UNENFORCED_KEYWORDS = {
+    "multipleOf": "a number's divisor",
+    "uniqueItems": "distinct array items",
+    "oneOf": "exactly one matching branch (anyOf is enforced)",
+    "not": "a negated schema",
+    "if": "conditional schemas", "then": "conditional schemas", "else": "conditional schemas",
+    "dependentRequired": "properties required by others", "dependentSchemas": "schemas applied by others",
+    "maxContains": "an upper bound on matching items",
+    "$dynamicRef": "dynamic references", "$recursiveRef": "dynamic references",
+}
+# Where a keyword's value holds subschemas: one, a list, or a name -> subschema map.
+_SUBSCHEMA = {"items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+              "else", "unevaluatedProperties", "unevaluatedItems"}
+_SUBSCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems"}
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def check_enforced(schema, path: str = "schema") -> None:
+    """InvalidResponseFormat naming the first keyword the grammar would not enforce (and where it is)."""
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in UNENFORCED_KEYWORDS or (key == "allOf" and isinstance(value, list) and len(value) > 1):
+            what = UNENFORCED_KEYWORDS.get(key, "several schemas at once")
+            raise InvalidResponseFormat(
+                f"response_format.json_schema.{path} uses '{key}' ({what}), which structured output does not "
+                "enforce; remove it or express it with the supported keywords"
+            )
+        if key in _SUBSCHEMA:
+            check_enforced(value, f"{path}.{key}")
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            for i, item in enumerate(value):
+                check_enforced(item, f"{path}.{key}[{i}]")
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            for name, item in value.items():
+                check_enforced(item, f"{path}.{key}.{name}")
+
+
 class GrammarCompiler:
     """Compiles response_format specs for one tokenizer; thread-safe, so it runs beside the engine loop."""
 
@@ -65,6 +105,7 @@ class GrammarCompiler:
         try:
             if request["type"] == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            check_enforced(request["schema"])
             return compiler.compile_json_schema(json.dumps(request["schema"]), any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
             first_line = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

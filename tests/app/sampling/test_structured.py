@@ -5,6 +5,7 @@ grammar mask touches only the constrained rows."""
 import asyncio
 import json
 import pickle
+import re
 import threading
 from dataclasses import asdict, replace
 
@@ -275,3 +276,38 @@ def test_structured_output_crosses_the_engine_process_pipe(demo_dir, engine):
         process.shutdown()
     assert got == expected
     assert error.to_openai()["error"]["param"] == "response_format"
+
+
+# Each of these compiled before, and xgrammar's grammar then let output through that the schema forbids
+# (e.g. 2079341237477542 for the first): refused by name instead.
+UNENFORCED = [
+    ({"type": "integer", "multipleOf": 7, "minimum": 10}, "multipleOf", "schema"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "schema"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf", "schema"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"type": "string"}}, "if", "schema"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "schema"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "not", "schema.properties.a"),
+    ({"$defs": {"n": {"type": "integer", "multipleOf": 3}}, "$ref": "#/$defs/n"}, "multipleOf", "schema.$defs.n"),
+    ({"type": "array", "items": {"type": "object", "properties": {"a": {}, "b": {}},
+                                 "dependentRequired": {"a": ["b"]}}}, "dependentRequired", "schema.items"),
+]
+
+
+@pytest.mark.parametrize("schema, keyword, where", UNENFORCED, ids=[k for _, k, _ in UNENFORCED])
+def test_a_keyword_the_grammar_does_not_enforce_is_a_400_naming_it(engine, schema, keyword, where):
+    with pytest.raises(InvalidResponseFormat, match=f"json_schema.{re.escape(where)} uses '{re.escape(keyword)}'"):
+        engine.add_request(PROMPT, None, greedy(10, response_format=json_schema_spec(schema)))
+    assert not engine.has_requests()
+
+
+def test_enforced_keywords_still_compile(engine):
+    """A one-schema allOf (pydantic's way to describe a $ref), annotations, bounds, patterns and self-references."""
+    schema = {"$defs": {"age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "type": "object", "title": "Person", "description": "someone",
+              "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]+$", "default": "Ann"},
+                             "age": {"allOf": [{"$ref": "#/$defs/age"}], "description": "in years"},
+                             "friend": {"$ref": "#"}},
+              "required": ["name", "age"]}
+    request = engine.add_request(PROMPT, None, greedy(10, response_format=json_schema_spec(schema)))
+    assert engine.has_requests()
+    engine.abort(request.request_id)

@@ -1,0 +1,154 @@
+"""Before `make serve` starts the app: the ports it listens on are free, or are freed from a stale HAProxy.
+
+Ray Serve's HAProxy ingress runs HAProxy as a child of the proxy actor. When `serve run` dies without its
+graceful shutdown (SIGKILL, an OOM kill, a closed terminal), the rest of the local cluster goes with it but
+HAProxy is re-parented and keeps the HTTP, stats and metrics ports, answering "Internal Server Error"; the next
+start then fails to bind. Ray 2.60 has no hook for this, so it is checked here, from /proc:
+- a port held by an HAProxy that runs Serve's config (under RAY_SERVE_HAPROXY_CONFIG_FILE_LOC's folder) and
+  has no live raylet among its ancestors is ended (SIGTERM, then SIGKILL); right after the kill the dying
+  cluster may still be its ancestor, so that is waited out for a few seconds;
+- a port held by anything else (a running app, another program) stops the start at once, with the process
+  that holds it and how to stop it.
+
+    python -m deploy.preflight serve_config.yaml   # exit 0 when the ports are free (after ending orphans)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+SERVE_HAPROXY_CONFIG = os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/haproxy-serve/haproxy.cfg")
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's state column
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int | None  # None: the socket's owner is not visible (another user's process)
+    cmdline: str
+
+    @property
+    def is_serve_haproxy(self) -> bool:
+        args = self.cmdline.split()
+        return bool(args) and "haproxy" in os.path.basename(args[0]) and any(
+            a.startswith(os.path.dirname(SERVE_HAPROXY_CONFIG)) for a in args)
+
+    @property
+    def is_orphaned_serve_haproxy(self) -> bool:
+        return self.pid is not None and self.is_serve_haproxy and not _has_raylet_ancestor(self.pid)
+
+
+def _has_raylet_ancestor(pid: int) -> bool:
+    parent = _ppid(pid)
+    while parent not in (None, 0, 1):
+        if "raylet" in _cmdline(parent):
+            return True
+        parent = _ppid(parent)
+    return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def holders(port: int) -> list[Holder]:
+    """The processes listening on `port` on this machine."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return []
+    found, targets = [], {f"socket:[{inode}]" for inode in inodes}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in targets for fd in (proc / "fd").iterdir()):
+                found.append(Holder(int(proc.name), _cmdline(int(proc.name))))
+        except OSError:  # gone, or another user's
+            continue
+    return found or [Holder(None, "")]
+
+
+def _end(pid: int, timeout_s: float = 5.0) -> None:
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and _ppid(pid) is not None:
+        time.sleep(0.05)
+    if Path(f"/proc/{pid}").exists():
+        os.kill(pid, signal.SIGKILL)
+
+
+def app_ports(serve_config: Path) -> list[int]:
+    config = yaml.safe_load(serve_config.read_text()) or {}
+    ports = [int((config.get("http_options") or {}).get("port", 8000))]
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        ports += [int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", 8404)),
+                  int(os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", 9101))]
+    return ports
+
+
+def free_ports(ports: list[int], settle_s: float = 15.0) -> list[str]:
+    """End orphaned Serve HAProxies on `ports`; return one line per port something else still holds."""
+    problems = []
+    for port in ports:
+        deadline = time.monotonic() + settle_s
+        found = holders(port)
+        while any(h.pid is not None and h.is_serve_haproxy and not h.is_orphaned_serve_haproxy for h in found) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)  # a cluster killed a moment ago is still dying
+            found = holders(port)
+        for holder in found:
+            if holder.is_orphaned_serve_haproxy:
+                print(f"ending a stale HAProxy (pid {holder.pid}) left on :{port} by an earlier `serve run` "
+                      "that did not shut down", file=sys.stderr)
+                _end(holder.pid)
+            elif holder.pid is None:
+                problems.append(f":{port} is held by a process of another user")
+            else:
+                problems.append(f":{port} is held by pid {holder.pid} ({holder.cmdline[:120]})")
+    return problems
+
+
+def main() -> int:
+    serve_config = Path(sys.argv[1] if len(sys.argv) > 1 else "serve_config.yaml")
+    problems = free_ports(app_ports(serve_config))
+    if problems:
+        print("cannot start: " + "; ".join(problems) + ".\nIf it is a running app of this project, stop it with "
+              "`RAY_AUTH_MODE=token .venv/bin/serve shutdown -y` (or end that process); otherwise choose another "
+              f"port in {serve_config} (http_options.port).", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,22 +28,25 @@ test-gpu: install
 
 # Ray >= 2.60 puts new local clusters under token auth (token in ~/.ray/auth_token); naming the mode
 # keeps it so, and the CLI in another shell needs the same RAY_AUTH_MODE=token to send that token.
-# RAY_SERVE_ENABLE_HA_PROXY: HTTP goes from HAProxy straight to the ingress replica instead of through
-# Serve's Python proxy (README, "Serving through Ray Serve": about 6 ms less TTFT), where this machine has
-# an HAProxy binary (deploy/haproxy.py). Ray reads it where it starts, so it is set here, for the cluster
-# that `serve run` starts.
-RAY_ENV = RAY_AUTH_MODE=token RAY_SERVE_ENABLE_HA_PROXY=$$($(BIN)/python -m deploy.haproxy)
+# `python -m deploy.haproxy --env`: RAY_SERVE_ENABLE_HA_PROXY (HTTP goes from HAProxy straight to the ingress
+# replica instead of through Serve's Python proxy, about 6 ms less TTFT) where this machine has an HAProxy
+# binary, and HAProxy's client timeout (deploy/haproxy.py). Ray reads them where it starts, so they are set
+# here, for the cluster that `serve run` starts.
+RAY_ENV = env RAY_AUTH_MODE=token $$($(BIN)/python -m deploy.haproxy --env)
+# deploy/preflight.py first: it ends a Serve HAProxy that an earlier `serve run`, killed without its shutdown,
+# left holding the ports, and stops at once, naming the process, when anything else holds them.
 serve: install
+	$(RAY_ENV) $(BIN)/python -m deploy.preflight serve_config.yaml
 	$(RAY_ENV) $(BIN)/serve run serve_config.yaml
 
 bench: install
-	$(BIN)/python -m bench.engine_bench --quick
+	$(BIN)/python -m bench.engine.hints --quick
 
 # 10 minutes of mixed traffic against `make serve`'s app, started here (not part of `make test`):
 # errors by status, replica RSS over time (bench/results/cpu-soak-rss.png), pins/rows/host cache at the end.
 SOAK_MINUTES ?= 10
 soak: install
-	$(RAY_ENV) $(BIN)/python -m bench.soak --launch --minutes $(SOAK_MINUTES)
+	$(RAY_ENV) $(BIN)/python -m bench.serve.soak --launch --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache

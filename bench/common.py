@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
-REPO_DEMO = Path(__file__).resolve().parent.parent / "demo"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+REPO_DEMO = REPO / "demo"
 
 
 def device_name() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.driver import RunRecord
+from bench.engine.driver import RunRecord
 
 
 def percentiles(values, qs=(50, 99)) -> dict:

@@ -7,9 +7,9 @@ import json
 
 from app.engine.config import EngineConfig
 from app.sampling.params import SamplingParams
-from bench import engine_bench
 from bench.adapter_pool import prepare
-from bench.arms import ARMS, build_engine, close_engine, reset_residency, use_arm
+from bench.engine import hints
+from bench.engine.arms import ARMS, build_engine, close_engine, reset_residency, use_arm
 
 METRICS = {"ttft_s", "itl_s", "e2e_s", "request_throughput_per_s", "token_throughput_per_s", "stall_s_per_request",
            "hint_hit_rate", "hint_hit_rate_when_queued", "arrivals_when_queued", "hint_lead_s", "hint_lead_samples_s",
@@ -19,7 +19,7 @@ COMMON = ["--size", "tiny", "--capacity", "2", "--rate", "8", "--duration-s", "1
 
 
 def test_claim_bench_quick_end_to_end(demo_dir, tmp_path):
-    paths = engine_bench.main([*COMMON, "--demo-dir", str(demo_dir), "--n-values", "1", "2", "8",
+    paths = hints.main([*COMMON, "--demo-dir", str(demo_dir), "--n-values", "1", "2", "8",
                                "--workload", "uniform", "sequential", "--sequential-requests", "12",
                                "--results-dir", str(tmp_path)])
     assert [p.name for p in paths] == ["cpu-claim-uniform.json", "cpu-claim-sequential.json"]
@@ -50,7 +50,7 @@ def test_claim_bench_quick_end_to_end(demo_dir, tmp_path):
 
 
 def test_disk_variant_reads_from_disk(demo_dir, tmp_path):
-    [path] = engine_bench.main([*COMMON, "--demo-dir", str(demo_dir), "--n-values", "8", "--workload", "uniform",
+    [path] = hints.main([*COMMON, "--demo-dir", str(demo_dir), "--n-values", "8", "--workload", "uniform",
                                 "--arms", "B", "A", "--host-cache-adapters", "1", "--cold-disk", "--no-plots",
                                 "--results-dir", str(tmp_path)])
     assert path.name == "cpu-claim-uniform-disk.json"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.driver import COUNTERS, metrics_delta
-from bench.serve_arms import SERVE_ARMS, RequestResult, request_bodies, sum_deltas, summarize
-from bench.serve_bench import app_args_for, parse_args, replica_overrides
+from bench.engine.driver import COUNTERS, metrics_delta
+from bench.serve.arms import SERVE_ARMS, RequestResult, request_bodies, sum_deltas, summarize
+from bench.serve.load import app_args_for, parse_args, replica_overrides
 from bench.workloads import Arrival, make
 
 NAMES = [f"bench-{i:04d}" for i in range(8)]

@@ -10,7 +10,7 @@ import socket
 import ray
 from ray import serve
 
-from bench import serve_bench
+from bench.serve import load as serve_load
 
 
 def free_port() -> int:
@@ -22,7 +22,7 @@ def free_port() -> int:
 def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
-        [path] = serve_bench.main([
+        [path] = serve_load.main([
             "--launch", "--size", "tiny", "--demo-dir", str(demo_dir), "--arms", "A", "A0", "--workload", "uniform@4",
             "--num-requests", "16", "--rate", "40", "--capacity", "2", "--batch", "2", "--max-ongoing", "1",
             "--length-scale", "0.05", "--drain-s", "0.5", "--port", str(free_port()), "--results-dir", str(tmp_path)])
@@ -47,7 +47,7 @@ def test_the_engine_loop_a_launch_runs_is_recorded():
     """engine_process null (the app's default) is a process on CUDA and a thread on CPU; the results say which."""
     import torch
 
-    from bench.serve_bench import engine_loop
+    from bench.serve.load import engine_loop
 
     assert engine_loop('{"engine_process": true}') == "process" and engine_loop('{"engine_process": false}') == "thread"
     assert engine_loop("{}") == ("process" if torch.cuda.is_available() else "thread")

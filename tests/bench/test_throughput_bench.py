@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import json
 
-from bench import throughput_bench
+from bench.engine import throughput
 
 
 def run(demo_dir, tmp_path, *extra):
     out = tmp_path / "result.json"
-    throughput_bench.main(["--size", "tiny", "--demo-dir", str(demo_dir), "--requests", "8", "--max-len", "32",
+    throughput.main(["--size", "tiny", "--demo-dir", str(demo_dir), "--requests", "8", "--max-len", "32",
                            "--adapters", "4", "--slots", "4", "--max-batch-size", "4", "--out", str(out), *extra])
     return json.loads(out.read_text())
 
 
 def test_workload_is_seeded_and_in_range():
     names = ["a", "b", "c"]
-    work = throughput_bench.make_workload(50, names, 32, vocab=1000, seed=3)
-    assert work == throughput_bench.make_workload(50, names, 32, vocab=1000, seed=3)
+    work = throughput.make_workload(50, names, 32, vocab=1000, seed=3)
+    assert work == throughput.make_workload(50, names, 32, vocab=1000, seed=3)
     assert all(8 <= len(p) < 32 for p in work.prompts) and all(8 <= n < 32 for n in work.max_tokens)
     assert set(work.adapters) <= set(names)
 

@@ -1,0 +1,224 @@
+"""The engine core's decode step and prefill against the hardware floor, measured in the same run (CUDA).
+
+Llama-3-8B shapes, random bf16 weights built on the GPU, rank-16 adapters on all seven targets in
+`--slots` slots. The model runner (paged KV cache, GQA paged attention, segmented LoRA, one CUDA graph
+per batch bucket) runs:
+- decode steps at each batch size, context `--context`, base rows and rows over D distinct adapters:
+  the graph replay alone (GPU time, CUDA events), and a whole `execute()` (host input preparation +
+  copies + replay) timed on the host; `--runs` repetitions give the run-to-run spread;
+- the same decode step eagerly (no graph) at one batch size, for comparison;
+- a prefill of 8 prompts x 512 tokens in one step, as achieved TFLOP/s against a bf16 GEMM.
+Floors: weight bytes / HBM read rate (a read-only sum over 8 GiB); LoRA: bytes of the distinct
+adapters read once / the same rate. Prints one JSON line per measurement; --out writes them all.
+
+    python -m bench.engine.decode --batches 1 8 32 64 --context 512 --out bench/results/h100-x1-decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from app.model.attention import PagedKVCache
+from app.model.kernels import lora as lora_kernels
+from app.engine.kv_blocks import BlockManager
+from app.model.lora import LoRASlots
+from app.engine.model_runner import ModelRunner
+from app.engine.scheduler import Chunk, StepPlan
+from app.adapters.targets import target_shapes
+from bench.common import timed_ms
+from prefetch.layout import PageLayout
+
+
+
+@dataclass(eq=False)
+class Seq:
+    request_id: str
+    prompt: list[int]
+    slot: int | None
+    output: list[int] = field(default_factory=list)
+    num_cached: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return (self.prompt + self.output)[start:end]
+
+
+def cuda_ms(fn, iters: int) -> list[float]:
+    return timed_ms(fn, iters)
+
+
+def host_ms(fn, iters: int) -> list[float]:
+    return timed_ms(fn, iters, host=True)
+
+
+def profile_table(fn, title: str, steps: int = 3) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    print(f"== profile: {title} ({steps} steps) ==")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+def build(args, dev):
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                         rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layout = PageLayout(target_shapes(config), max_rank=args.rank)
+    max_batch = max(args.batches)
+    lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots,  # t_cap: the eager warm-up's step too
+                      t_cap=max(args.prefill_tokens + max_batch, lora_kernels.DECODE_T_MAX + 8 + max_batch,
+                                getattr(args, "max_graph_tokens", 0)))
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for slot in range(args.slots):
+        pages = range(slot * layout.max_pages, (slot + 1) * layout.max_pages)
+        host = [torch.randn(layout.page_numel, generator=gen, device=dev).mul_(0.01).to(torch.bfloat16) for _ in pages]
+        lora.write_slot(slot, list(pages), host, torch.full((len(layout.modules),), 2.0), args.rank)
+    adapter_bytes = layout.adapter_nbytes(args.rank, torch.bfloat16)
+    per_seq = -(-(max(args.context, 512) + 2) // 16)
+    blocks = BlockManager(2 + per_seq * (max_batch + 8), 16)
+    cache = PagedKVCache(config.num_hidden_layers, blocks.num_blocks, 16, 8, 128, torch.bfloat16, dev)
+    t0 = time.perf_counter()
+    runner = ModelRunner(model, lora, blocks, cache, max_batch, config.max_position_embeddings, use_graphs=True,
+                         compile_decode=args.compile, max_graph_tokens=getattr(args, "max_graph_tokens", 0))
+    capture_s = time.perf_counter() - t0
+    return model, lora, blocks, runner, weight_bytes, adapter_bytes, capture_s
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=5, help="repetitions of each decode measurement (spread)")
+    parser.add_argument("--eager-batch", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
+    parser.add_argument("--lora-block-m", type=int, help="tokens per tile of the LoRA kernels' decode config")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    lines = []
+    if args.lora_block_m:
+        lora_kernels.DECODE = replace(lora_kernels.DECODE, block_m=args.lora_block_m)
+
+    def emit(**kw):
+        print(json.dumps(kw), flush=True)
+        lines.append(kw)
+
+    buf = torch.empty(4 << 30, dtype=torch.bfloat16, device=dev).normal_()
+    read_gbs = buf.numel() * 2 / (statistics.median(cuda_ms(buf.sum, 10)) / 1e3) / 1e9
+    del buf
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    gemm_tflops = 2 * 8192 ** 3 / (statistics.median(cuda_ms(lambda: a @ a, 10)) / 1e3) / 1e12
+    del a
+    torch.cuda.empty_cache()
+
+    model, lora, blocks, runner, weight_bytes, adapter_bytes, capture_s = build(args, dev)
+    floor_ms = weight_bytes / read_gbs / 1e6
+    emit(variant="floor", weights_gb=round(weight_bytes / 1e9, 2), hbm_read_gbs=round(read_gbs), floor_ms=round(floor_ms, 3),
+         gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1), graph_capture_s=round(capture_s, 1),
+         buckets=runner.graph_batches, compiled=runner.compiled, lora_decode_block_m=lora_kernels.DECODE.block_m, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+
+    # Prefill: 8 prompts x 512 tokens, one step, 8 distinct adapters
+    n_prompts = args.prefill_tokens // 512
+    linear_params = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    for distinct in (0, n_prompts):
+        seqs = [Seq(f"p{distinct}-{i}", torch.randint(0, 128000, (512,)).tolist(), i % distinct if distinct else None)
+                for i in range(n_prompts)]
+        for s in seqs:
+            blocks.allocate(s.request_id, 512)
+        plan = StepPlan(prefill=[Chunk(s, 0, 512) for s in seqs])
+        times = cuda_ms(lambda: runner.execute(plan), 5)
+        if os.environ.get("PROFILE"):
+            profile_table(lambda: runner.execute(plan), f"prefill, {distinct} distinct adapters")
+        flops = 2 * linear_params * args.prefill_tokens + 4 * 32 * 128 * n_prompts * 512 * 512 / 2 * args.layers
+        ms = statistics.median(times)
+        emit(variant="prefill", prompts=n_prompts, tokens=args.prefill_tokens, distinct=distinct, ms=round(ms, 2),
+             tflops=round(flops / ms / 1e9, 1), ratio_to_gemm=round(flops / ms / 1e9 / gemm_tflops, 3))
+        for s in seqs:
+            blocks.release(s.request_id)
+
+    # Decode at each batch size
+    for batch in [] if args.skip_decode else args.batches:
+        for distinct in sorted({0, min(batch, 32 if batch <= 32 else batch)} | ({1} if batch > 1 else set())):
+            seqs = [Seq(f"d{batch}-{distinct}-{i}", torch.randint(0, 128000, (args.context,)).tolist(),
+                        i % distinct if distinct else None) for i in range(batch)]
+            for s in seqs:  # prefill in groups, then one sampled token each: decode feeds position `context`
+                blocks.allocate(s.request_id, args.context + 1)
+            for i in range(0, batch, 8):
+                group = seqs[i:i + 8]
+                runner.execute(StepPlan(prefill=[Chunk(s, 0, args.context) for s in group]))
+            for s in seqs:
+                s.num_cached, s.output = args.context, [1]
+            plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
+            graph = runner._graph_for(runner.prepare(plan))
+            runner.execute(plan)
+            replay = [statistics.median(cuda_ms(graph.graph.replay, args.iters)) for _ in range(args.runs)]
+            whole = [statistics.median(host_ms(lambda: runner.execute(plan), args.iters)) for _ in range(args.runs)]
+            host = statistics.median(host_ms(lambda: runner._fill_static(runner.prepare(plan), graph.batch), args.iters))
+            if os.environ.get("PROFILE") and batch == 32:
+                profile_table(graph.graph.replay, f"decode graph replay, batch 32, {distinct} distinct adapters")
+            ms = statistics.median(replay)
+            lora_floor = distinct * adapter_bytes / read_gbs / 1e6
+            emit(variant="decode", batch=batch, bucket=graph.batch, context=args.context, distinct=distinct,
+                 ms=round(ms, 3), ratio_to_floor=round(ms / floor_ms, 3),
+                 lora_floor_ms=round(lora_floor, 3), floor_with_lora_ms=round(floor_ms + lora_floor, 3),
+                 ratio_to_floor_with_lora=round(ms / (floor_ms + lora_floor), 3),
+                 run_medians_ms=[round(x, 3) for x in replay],
+                 spread=round((max(replay) - min(replay)) / min(replay), 4),
+                 execute_ms=round(statistics.median(whole), 3),
+                 execute_spread=round((max(whole) - min(whole)) / min(whole), 4),
+                 host_prepare_ms=round(host, 3))
+            for s in seqs:
+                blocks.release(s.request_id)
+
+    # The same decode step eagerly (no graph), for comparison
+    batch = args.eager_batch
+    seqs = [Seq(f"e{i}", torch.randint(0, 128000, (args.context,)).tolist(), i % 32) for i in range(batch)]
+    for s in seqs:
+        blocks.allocate(s.request_id, args.context + 1)
+        s.num_cached, s.output = args.context, [1]
+    plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
+    graphs, runner.graphs = runner.graphs, {}
+    eager = [statistics.median(host_ms(lambda: runner.execute(plan), 10)) for _ in range(3)]
+    emit(variant="decode_eager", batch=batch, distinct=32, ms=round(statistics.median(eager), 3),
+         run_medians_ms=[round(x, 3) for x in eager], ratio_to_floor=round(statistics.median(eager) / floor_ms, 3))
+    if os.environ.get("PROFILE"):
+        profile_table(lambda: runner.execute(plan), "eager decode, 32 distinct adapters")
+    runner.graphs = graphs
+
+    if args.out:
+        meta = {"command": "python -m bench.engine.decode " + " ".join(os.sys.argv[1:]),
+                "commit": os.environ.get("LORA_GIT_COMMIT", ""), "device": torch.cuda.get_device_name()}
+        with open(args.out, "w") as f:
+            json.dump({**meta, "results": lines}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Where a mixed step's host time goes (CUDA): 32 decode rows at context 512 plus prefill chunks, on
+Llama-3-8B shapes with rank-16 adapters, run by the model runner as the engine runs it: eagerly, or with
+--max-graph-tokens as a graph replay where the step's tokens fit a bucket. Prints the step's wall time
+against its GPU time, then a cProfile table of the host side.
+
+    python -m bench.engine.mixed_step --prefill 4x512
+    python -m bench.engine.mixed_step --prefill 1x64 --max-graph-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from app.engine.scheduler import Chunk, StepPlan
+from bench.common import timed_ms
+from bench.engine.decode import Seq, build
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--prefill", default="4x512", help="prompts x tokens")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--distinct", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=30, help="cProfile rows")
+    parser.add_argument("--max-graph-tokens", type=int, default=0, help="replay steps of up to this many tokens "
+                        "in graphs (the engine's default is 512; 0: eager, as before)")
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    n_prompts, prompt_len = map(int, args.prefill.split("x"))
+    # max_batch_size counts every running request, the prefilling ones too (as in the engine)
+    ns = argparse.Namespace(layers=32, rank=16, slots=64, batches=[args.decode + n_prompts],
+                            prefill_tokens=n_prompts * prompt_len,
+                            context=args.context, compile=args.compile,
+                            max_graph_tokens=args.max_graph_tokens)
+    model, lora, blocks, runner, *_ = build(ns, torch.device("cuda"))
+    decode = [Seq(f"d{i}", [1] * args.context, i % args.distinct) for i in range(args.decode)]
+    for s in decode:
+        blocks.allocate(s.request_id, args.context + 1)
+        s.num_cached, s.output = args.context, [1]
+    prompts = [Seq(f"p{i}", list(range(100, 100 + prompt_len)), i % args.distinct) for i in range(n_prompts)]
+    for s in prompts:
+        blocks.allocate(s.request_id, prompt_len)
+    plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in decode],
+                    prefill=[Chunk(s, 0, prompt_len) for s in prompts])
+
+    def step():
+        runner.execute(plan)
+        torch.cuda.synchronize()
+
+    for _ in range(3):
+        step()
+    gpu = sorted(timed_ms(lambda: runner.execute(plan), 5))[2]
+    start = time.perf_counter()
+    for _ in range(5):
+        step()
+    wall = (time.perf_counter() - start) / 5 * 1e3
+    launch = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        runner.execute(plan)
+        launch.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {args.distinct} adapters, "
+          f"{'graph' if runner.mixed_replays else 'eager'}: wall {wall:.1f} ms, GPU {gpu:.1f} ms, host launch "
+          f"{sorted(launch)[2]:.1f} ms", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
+    print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()

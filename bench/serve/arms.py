@@ -1,0 +1,188 @@
+"""The claim through Ray Serve: the arms, a trace as HTTP request bodies, and what the
+replicas' engines counted over one run. Pure Python and numpy: no Ray, no HTTP (bench/serve/claim.py runs it).
+
+Arms, each a fresh deployment with the same replicas, adapter memory M and host cache:
+  A              the adapter-affinity router, sending hints for requests that wait in it
+  A0             the same router and placement, no hints (AppArgs.hints = False)
+  serve_default  Serve's own router (power of two choices); it sends no hints
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.engine.driver import COUNTERS, HISTOGRAMS
+from bench.stats import hit_rate, percentiles
+from bench.workloads import Arrival, random_prompt
+
+
+@dataclass(frozen=True)
+class ServeArm:
+    name: str
+    label: str
+    router: str  # AppArgs.router
+    hints: bool  # AppArgs.hints: whether the router sends hints (serve_default sends none either way)
+
+    def app_args(self) -> dict:
+        return {"router": self.router, "hints": self.hints}
+
+    def config(self) -> dict:
+        return {"label": self.label, **self.app_args()}
+
+
+SERVE_ARMS = {a.name: a for a in (
+    ServeArm("A", "adapter affinity + hints", "adapter_affinity", hints=True),
+    ServeArm("A0", "adapter affinity, no hints", "adapter_affinity", hints=False),
+    ServeArm("serve_default", "Serve's default router", "serve_default", hints=False),
+)}
+
+NOTES = [
+    "Engine counters are differences of each replica's engine metrics right before and right after the "
+    "measured load (the warm-up does not count), summed over replicas.",
+    "hint_hit_rate: (hint_hits + inflight_hits) / arrivals, over every arrival at a replica, as the engine "
+    "bench defines it (resident or already loading).",
+    "hint_hit_rate_when_queued: the same rate over the arrivals of requests that waited in the router and were "
+    "hinted to the replica they reached (each consumes a waiting hint there; hinted_arrivals splits them by "
+    "where their adapter was: a slot, the host cache or a read into it, or nowhere). Requests that waited but "
+    "were held back by the hint budget are not among them (lora_router_placements{outcome=hint_deferred}, "
+    "Prometheus only). router_wait estimates the requests waiting in the router: client in-flight minus the "
+    "replicas' running + waiting, from a view up to 0.5 s old (so it reads about 1 high at light load).",
+    "hints_received (the engines') counts waiting-kind hints: one per request and replica it waited for in the "
+    "router (a request whose target changes is hinted at the new replica and withdrawn at the old one). "
+    "hints_pushed (the router actor's) also counts the incoming-kind hints to the replica a request may spread to, "
+    "not the withdrawals. hints_late counts hints that reached an engine after their own request (matched by "
+    "Serve's request id) and were dropped. hints_duplicate counts hints an engine ignored because it held one for "
+    "that request already (a request hinted again after a full replica turned it away).",
+    "wasted_prefetch_bytes counts bytes loaded and evicted unused; adapters loaded and still unused at the end "
+    "cannot be seen from outside the replica (unused_resident_bytes_at_end is null).",
+    "itl_s: gaps between streamed chunks that carry text; a chunk may carry several tokens, and a token that "
+    "decodes to no text sends no chunk (as in vLLM). With demo_version 1 the llama3-8b-shape demo decoded almost "
+    "every sampled id to no text (a 1,024-token tokenizer over 128,256 ids), so itl_s measured the gaps between "
+    "rare text-bearing tokens; from demo_version 2 every id decodes to text and itl_s is the token cadence.",
+    "adapter_wait_s_mean: from a request's arrival at its replica to its adapter's slot being ready for it, over "
+    "requests with an adapter; adapter_wait_before_load_s_mean: the part of it before its adapter's load into a slot "
+    "began (waiting for a slot to free; a read into the host cache may run meanwhile). The rest is the load: the "
+    "disk read, if the host cache did not hold the adapter, and the copy.",
+    "replica_first_token_s_mean and replica_request_s_mean: from a request's arrival at its "
+    "replica's engine to its first token and to its end, over the requests that ended in the run; with "
+    "adapter_wait_s_mean they split a request's time at its replica (the rest of its E2E is the router and HTTP).",
+    "The router's placement outcomes (affinity / spread / cold / ...) go to Prometheus only "
+    "(lora_router_placements) and are not recorded here.",
+]
+
+
+def request_bodies(arrivals: list[Arrival], adapter_names: list[str], base_model_id: str, vocab: np.ndarray,
+                   seed: int) -> list[dict]:
+    """One streaming /v1/completions body per arrival: a token-id prompt of its length, max_tokens = its output
+    length with EOS ignored. The same seed gives the same prompts for every arm, as in the engine bench."""
+    rng = np.random.default_rng(seed)
+    return [{"model": base_model_id if a.adapter is None else adapter_names[a.adapter],
+             "prompt": random_prompt(a.prompt_len, vocab, rng), "max_tokens": a.output_len, "temperature": 0,
+             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for a in arrivals]
+
+
+def _histogram_sum(histograms: list[dict]) -> dict:
+    buckets = Counter()
+    for h in histograms:
+        buckets.update(h["buckets"])
+    return {"count": sum(h["count"] for h in histograms), "sum": sum(h["sum"] for h in histograms),
+            "buckets": dict(buckets)}
+
+
+def sum_deltas(deltas: list[dict]) -> dict:
+    """The replicas' bench.engine.driver.metrics_delta results added up (the counters of the whole deployment)."""
+    out = {k: sum(d[k] for d in deltas) for k in (*COUNTERS, "steps")}
+    for name in HISTOGRAMS:
+        out[name] = _histogram_sum([d[name] for d in deltas])
+    out["tiers"] = {tier: {f: sum(d["tiers"][tier][f] for d in deltas) for f in fields}
+                    for tier, fields in (("disk_to_host", ("bytes", "seconds", "reads", "cache_hits")),
+                                         ("host_to_device", ("bytes", "seconds")))}
+    h2d = out["tiers"]["host_to_device"]
+    h2d["gb_per_s"] = h2d["bytes"] / h2d["seconds"] / 1e9 if h2d["seconds"] > 0 else None
+    return out
+
+
+@dataclass
+class RequestResult:
+    """One HTTP request of a run, as the client saw it (seconds after the run's start)."""
+    adapter: str | None
+    scheduled_s: float
+    sent_s: float = 0.0
+    ok: bool = False
+    status: int = 0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    chunk_s: list[float] | None = None
+    tokens: int = 0
+    replica: str | None = None
+
+
+def router_wait(samples: list[tuple[int, int]]) -> dict:
+    """samples: (requests in flight at the client, running + waiting over the replicas) every poll."""
+    waiting = [max(0, inflight - at_replicas) for inflight, at_replicas in samples]
+    return {"samples": len(waiting), "mean": float(np.mean(waiting)) if waiting else None,
+            "max": max(waiting, default=None),
+            "share_of_samples_waiting": sum(w > 0 for w in waiting) / len(waiting) if waiting else None}
+
+
+def mean_of(histogram: dict) -> float | None:
+    return histogram["sum"] / histogram["count"] if histogram["count"] else None
+
+
+def hinted_hit_rate(delta: dict) -> float | None:
+    hinted = delta["hinted_on_device"] + delta["hinted_in_host"] + delta["hinted_from_disk"]
+    return delta["hinted_on_device"] / hinted if hinted else None
+
+
+def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, dict], hints_pushed: int,
+              samples: list[tuple[int, int]]) -> dict:
+    """One run's numbers, with the engine bench's names (bench/stats.py) where they mean the same thing."""
+    done = [r for r in results if r.ok]
+    ttft = [r.first_token_s - r.scheduled_s for r in done if r.first_token_s is not None]
+    e2e = [r.finished_s - r.scheduled_s for r in done]
+    itl = [b - a for r in done for a, b in zip(r.chunk_s, r.chunk_s[1:])]
+    span = max(max((r.finished_s for r in done), default=0.0) - min((r.scheduled_s for r in results), default=0.0),
+               1e-9)
+    kinds = {"hit": delta["hint_hits"], "inflight": delta["inflight_hits"], "miss": delta["misses"]}
+    lead = delta["hint_lead_seconds"]
+    by_replica = Counter(r.replica for r in done)
+    adapters_on = {}
+    for r in done:
+        adapters_on.setdefault(r.adapter, set()).add(r.replica)
+    return {
+        "requests": len(results), "completed": len(done),
+        "statuses": {str(s): n for s, n in sorted(Counter(r.status for r in results).items())},
+        "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+        "request_throughput_per_s": len(done) / span, "token_throughput_per_s": sum(r.tokens for r in done) / span,
+        "send_lag_s_max": max((r.sent_s - r.scheduled_s for r in results), default=None),
+        "stall_s_per_request": delta["stall_seconds"]["sum"] / max(len(results), 1),
+        "stalls": delta["stall_seconds"]["count"],
+        "hint_hit_rate": hit_rate([k for k, n in kinds.items() for _ in range(n)]),
+        "hint_hit_rate_when_queued": hinted_hit_rate(delta),
+        "hinted_arrivals": {"device": delta["hinted_on_device"], "host": delta["hinted_in_host"],
+                            "disk": delta["hinted_from_disk"]},
+        "arrival_kinds": kinds,
+        "hint_lead_s_mean": mean_of(lead),
+        "adapter_wait_s_mean": mean_of(delta["adapter_wait_seconds"]),
+        "adapter_wait_before_load_s_mean": mean_of(delta["adapter_wait_before_load_seconds"]),
+        "adapter_wait_histogram": delta["adapter_wait_seconds"],
+        "replica_first_token_s_mean": mean_of(delta["first_token_seconds"]),
+        "replica_request_s_mean": mean_of(delta["request_seconds"]),
+        "hint_lead_histogram": lead,
+        "hints_received": delta["hints_received"], "hints_late": delta["hints_late"],
+        "hints_duplicate": delta["hints_duplicate"], "hints_pushed": hints_pushed,
+        "router_wait": router_wait(samples),
+        "wasted_prefetch_bytes": delta["wasted_prefetch_bytes"],
+        "wasted_prefetch_bytes_evicted": delta["wasted_prefetch_bytes"], "unused_resident_bytes_at_end": None,
+        "wasted_prefetches": delta["wasted_prefetches"], "loads": delta["loads_started"],
+        "evictions": delta["evictions"], "h2d_gb_per_s": delta["tiers"]["host_to_device"]["gb_per_s"],
+        "tiers": delta["tiers"], "steps": delta["steps"],
+        "requests_per_replica": dict(by_replica),
+        "replicas_per_adapter_mean": float(np.mean([len(v) for v in adapters_on.values()])) if adapters_on else None,
+        "per_replica": per_replica,
+        "replica_per_request": [r.replica for r in results],  # in trace order (the x-replica-id header)
+        "ttft_samples_s": sorted(ttft),
+    }

@@ -1,0 +1,295 @@
+"""The claim measured through Ray Serve (`python -m bench.serve.load --launch --arms A A0 serve_default ...`).
+
+Each arm is a fresh deployment (a cold device pool) with the same replicas, adapter memory M per replica and
+host cache; the arm sets only the router and whether it sends hints (bench/serve/arms.py). On each
+deployment: an HTTP warm-up (base model and an adapter outside every trace), then unless --cold-disk every
+adapter read once into every replica's host cache (called on each replica directly, not routed), then the
+workloads in the order given, each a seeded trace of bench/workloads.py played open loop over HTTP: request i
+is sent at its arrival time. Around each run the replicas' engine counters are read directly from each replica
+(`engine_metrics`), so only the measured load counts. --cold-disk drops the adapter files from the OS page
+cache before each run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+import time
+import uuid
+from dataclasses import asdict
+
+import httpx
+import ray
+import torch
+from ray import serve
+from transformers import AutoTokenizer
+
+from app.engine.config import EngineConfig
+from app.demo.build import DEMO_VERSION
+from app.sampling.params import SamplingParams
+from bench.adapter_pool import prepare
+from bench.common import write_result
+from bench.engine.arms import drop_page_cache
+from bench.engine.driver import metrics_delta, vocab_ids
+from bench.engine.hints import max_rank_adapter_bytes
+from bench.serve.arms import NOTES, SERVE_ARMS, RequestResult, request_bodies, sum_deltas, summarize
+from bench.serve.load import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
+from bench.workloads import SEQUENTIAL_ADAPTERS, WORKLOADS, make
+
+POLL_S = 0.5  # the router-wait sampler: the replicas report to the view about this often
+SETTLE_S = 30.0  # longest wait for the replicas to go idle after a run
+MAX_RANK = 16  # the replicas' max_rank (AppArgs' default), the rank of a --capacity unit
+
+
+def parse_workloads(items: list[str], args) -> list[tuple[str, int, int]]:
+    """(workload, N, requests) from names with an optional @N (default: --adapters; sequential 50)."""
+    runs = []
+    for item in items:
+        name, _, n = item.partition("@")
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
+        default_n = SEQUENTIAL_ADAPTERS if name == "sequential" else args.adapters
+        runs.append((name, int(n) if n else default_n,
+                     args.sequential_requests if name == "sequential" else args.num_requests))
+    return runs
+
+
+# --- the replicas, called directly (not routed) ---------------------------------------------------------
+
+def replica_actors() -> dict[str, ray.actor.ActorHandle]:
+    prefix = f"SERVE_REPLICA::{APP_NAME}#LoRAReplica#"
+    return {a["name"][len(prefix):]: ray.get_actor(a["name"], namespace="serve")
+            for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def call_replica(actor, method: str, *args) -> ray.ObjectRef:
+    """A method of the replica's deployment class on that replica, as Serve's actor transport calls it."""
+    from ray.serve._private.common import RequestMetadata
+
+    request_id = uuid.uuid4().hex
+    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id, call_method=method,
+                               app_name=APP_NAME)
+    return actor.handle_request.remote(pickle.dumps(metadata), *args)
+
+
+def engine_snapshots(actors: dict) -> dict[str, dict]:
+    uids = list(actors)
+    return dict(zip(uids, ray.get([call_replica(actors[u], "engine_metrics") for u in uids], timeout=60)))
+
+
+def hints_pushed() -> int:
+    """Hints the router actor has passed on since the deployment started, of both kinds (waiting, incoming)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_DEPLOYMENT_ACTOR::{APP_NAME}::") and a["name"].endswith("::router_state")]
+    if not names:
+        return 0
+    stats = ray.get(ray.get_actor(sorted(names)[-1], namespace="serve").stats.remote(), timeout=30)
+    return sum(stats["hints_pushed"].values())
+
+
+def warm_host(actors: dict, names: list[str]) -> None:
+    """Every adapter through every replica once (one token), so each replica's host cache holds them all."""
+    params = asdict(SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    refs = [call_replica(actor, "generate", {"prompts": [[8, 9, 10, 11]], "n": 1, "adapter_id": name,
+                                             "params": params, "request_id": f"warm-host-{uid}-{i}"})
+            for uid, actor in actors.items() for i, name in enumerate(names)]
+    errors = [r["error"] for r in ray.get(refs, timeout=600) if "error" in r]
+    if errors:
+        raise RuntimeError(f"{len(errors)} host warm-up requests failed, first: {errors[0]}")
+
+
+def wait_idle(actors: dict) -> dict[str, dict]:
+    """The replicas' snapshots once none has a request running or queued (cancelled streams end late)."""
+    deadline = time.time() + SETTLE_S
+    while True:
+        snapshots = engine_snapshots(actors)
+        if time.time() > deadline or all(s["batch_size"] == 0 and s["queue_length"] == 0 for s in snapshots.values()):
+            return snapshots
+        time.sleep(0.2)
+
+
+# --- one run ---------------------------------------------------------------------------------------------
+
+async def play(url: str, arrivals, bodies: list[dict]) -> tuple[list[RequestResult], list[tuple[int, int]]]:
+    """Send request i at arrival i's time (open loop); sample the requests waiting in the router meanwhile."""
+    limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
+    samples: list[tuple[int, int]] = []
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+
+        async def sample():
+            while True:
+                await asyncio.sleep(POLL_S)
+                inflight = sum(not t.done() for t in tasks)
+                try:
+                    view = (await client.get(f"{url}/v1/debug/replicas", timeout=5)).json()["replicas"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue
+                samples.append((inflight, sum(r.get("running", 0) + r.get("waiting", 0) for r in view.values())))
+
+        sampler = asyncio.create_task(sample())
+        for a, body in zip(arrivals, bodies):
+            delay = start + a.t_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = RequestResult(body["model"], a.t_s)
+            tasks.append(asyncio.create_task(stream_completion(client, url, body, result, start)))
+        results = await asyncio.gather(*tasks)
+        sampler.cancel()
+    return results, samples
+
+
+def run_one(args, url: str, actors: dict, workload: str, n: int, count: int, names: list[str], adapter_dir,
+            model_id: str, vocab) -> tuple[dict, dict]:
+    """One workload's trace on a deployed arm: (its summary, the replicas' engine snapshots before it)."""
+    arrivals = make(workload, n, count, args.rate, args.seed, args.lengths, args.length_scale, args.capacity,
+                    args.rotate_s)
+    bodies = request_bodies(arrivals, names, model_id, vocab, args.seed)
+    if args.cold_disk:
+        drop_page_cache(adapter_dir, names[:n])
+    before, pushed = wait_idle(actors), hints_pushed()
+    results, samples = asyncio.run(play(url, arrivals, bodies))
+    after = wait_idle(actors)
+    deltas = {uid: metrics_delta(before[uid], after[uid]) for uid in before if uid in after}
+    per_replica = {uid: {"arrival_kinds": {k: d[k] for k in ("hint_hits", "inflight_hits", "misses")},
+                         "hints_received": d["hints_received"], "stall_s": d["stall_seconds"]["sum"],
+                         "loads": d["loads_started"], "evictions": d["evictions"]} for uid, d in deltas.items()}
+    return summarize(results, sum_deltas(list(deltas.values())), per_replica, hints_pushed() - pushed, samples), before
+
+
+# --- the arms --------------------------------------------------------------------------------------------
+
+def pool_info(snapshots: dict, unit: int) -> dict:
+    """Each replica's device pool and host arena as its engine reports them; M in bytes from the pages."""
+    return {uid: {"pages": s["pages_total"], "slots": s["slots_total"], "page_rows": s["page_rows"],
+                  "adapter_memory_bytes": s["pages_total"] * unit // math.ceil(MAX_RANK / s["page_rows"]),
+                  "host_arena_bytes": s["host_arena_bytes"], "host_pinned_bytes": s["host_pinned_bytes"],
+                  "host_cache_bytes_at_start": s["host_cache_bytes"]} for uid, s in snapshots.items()}
+
+
+class Claim:
+    """The arms in order, each on a fresh deployment, the workloads of the first arm that fit --time-budget-s."""
+
+    def __init__(self, args):
+        self.args, self.started = args, time.perf_counter()
+        self.runs = parse_workloads(args.workload, args)
+        count = max(n for _, n, _ in self.runs) + 1  # the last adapter is the warm-up's, in no trace
+        self.base, self.adapter_dir, self.names = prepare(args.size, count, args.seed, args.demo_dir)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the base was built on the GPU here: leave its memory to the replicas
+        config = EngineConfig(base_model=str(self.base), adapter_roots=(str(self.adapter_dir),),
+                              max_rank=MAX_RANK)
+        self.unit = max_rank_adapter_bytes(config)  # bytes of one max-rank adapter: the unit of --capacity
+        self.memory = {"adapter_memory_bytes": args.capacity * self.unit,
+                       "host_cache_bytes": int((args.host_cache_adapters or count) * self.unit)}
+        self.vocab = vocab_ids(AutoTokenizer.from_pretrained(str(self.base)))
+        self.warm_host = args.warm_host and not args.cold_disk
+        self.results = {w: {} for w, _, _ in self.runs}
+        self.pools = {w: {} for w, _, _ in self.runs}
+        self.chosen, self.measured, self.skipped, self.deploy_s, self.app = [], {}, [], {}, None
+        start_cluster(args.port, not args.serve_proxy)
+        self.timings = {"prepare": time.perf_counter() - self.started}
+
+    def run(self) -> list:
+        for i, arm in enumerate(self.args.arms):
+            self.run_arm(i, arm)
+        self.timings["total"] = time.perf_counter() - self.started
+        return [self.write(w, n, r) for w, n, r in self.runs if self.results[w]]
+
+    def run_arm(self, i: int, arm_name: str) -> None:
+        args, t0 = self.args, time.perf_counter()
+        if i > 0 and not self.chosen or not self.can_deploy(i):
+            self.skipped += [{"workload": w, "arm": arm_name} for w, _, _ in self.chosen]
+            return
+        self.app = app_args_for(args, self.base, self.adapter_dir, {**self.memory, **SERVE_ARMS[arm_name].app_args()})
+        url = deploy(args, self.app, args.replicas[0])
+        actors = replica_actors()
+        warm_up(url, self.app.served_model_id, self.names[-1], len(actors))
+        if self.warm_host:
+            warm_host(actors, self.names[:-1])
+        self.deploy_s[arm_name] = time.perf_counter() - t0
+        for workload, n, requests in (self.runs if i == 0 else list(self.chosen)):
+            if not self.fits(i, arm_name, workload, requests):
+                self.skipped.append({"workload": workload, "arm": arm_name})
+                continue
+            t1 = time.perf_counter()
+            summary, before = run_one(args, url, actors, workload, n, requests, self.names, self.adapter_dir,
+                                      self.app.served_model_id, self.vocab)
+            self.results[workload][arm_name] = summary
+            self.pools[workload][arm_name] = pool_info(before, self.unit)
+            if i == 0:
+                self.chosen.append((workload, n, requests))
+                self.measured[workload] = time.perf_counter() - t1 + args.drain_s
+            print_run(arm_name, workload, n, summary)
+            self.timings["elapsed"] = time.perf_counter() - self.started
+            self.write(workload, n, requests)  # after every run: a run killed from outside keeps what it measured
+            time.sleep(args.drain_s)
+        serve.delete(APP_NAME)
+
+    def can_deploy(self, i: int) -> bool:
+        """A later arm deploys only if its first run can end within the budget (deploying as the first arm did)."""
+        if i == 0 or not self.args.time_budget_s:
+            return True
+        first_workload = self.chosen[0][0]
+        needed = self.deploy_s[self.args.arms[0]] + self.measured[first_workload]
+        return time.perf_counter() - self.started + needed <= self.args.time_budget_s
+
+    def fits(self, i: int, arm_name: str, workload: str, requests: int) -> bool:
+        """Whether this run, and (first arm) the same workloads on every later arm, end within the budget."""
+        if not self.args.time_budget_s:
+            return True
+        estimate = self.measured.get(workload) or requests / self.args.rate * 1.5 + 15
+        later = 0.0
+        if i == 0:  # a later arm redeploys and plays every workload the first arm played
+            per_arm = self.deploy_s[arm_name] + 10 + estimate + sum(self.measured[w] for w, _, _ in self.chosen)
+            later = (len(self.args.arms) - 1) * per_arm
+        return time.perf_counter() - self.started + estimate + later <= self.args.time_budget_s
+
+    def write(self, workload: str, n: int, requests: int):
+        args, app = self.args, self.app
+        variant = "disk" if args.host_cache_adapters is not None else "warm-host"
+        notes = list(NOTES)
+        if len(self.runs) > 1:
+            notes.append("The workloads of an arm run one after another on one deployment: a later workload "
+                         "starts with the device pool and host cache the previous one left.")
+        skipped = [s for s in self.skipped if s["workload"] == workload]
+        return write_result(f"serve-claim-{workload}" + ("-disk" if variant == "disk" else "") + args.tag, {
+            "benchmark": "serve-claim", "complete": "total" in self.timings and not skipped, "skipped_runs": skipped,
+            "workload": workload, "workload_spec": asdict(WORKLOADS[workload]), "n": n, "requests_per_run": requests,
+            "rate": args.rate, "size": args.size, "demo_version": DEMO_VERSION, "replicas": args.replicas[0],
+            "gpus_per_replica": args.gpus_per_replica, "variant": variant, "cold_disk": args.cold_disk,
+            "host_cache_warmed": self.warm_host, "capacity": args.capacity, "max_rank_adapter_bytes": self.unit,
+            "adapter_memory_bytes_asked": app.adapter_memory_bytes, "host_cache_bytes": app.host_cache_bytes,
+            "host_cache_adapters": args.host_cache_adapters, "pool": self.pools[workload],
+            "max_ongoing_requests": app.max_ongoing_requests or 2 * app.max_batch_size,
+            "max_batch_size": app.max_batch_size, "compile_decode": app.compile_decode,
+            "app_args": app.model_dump(exclude={"router", "hints", "api_key", "adapters"}),
+            "arms": {a: SERVE_ARMS[a].config() for a in args.arms}, "lengths": args.lengths,
+            "length_scale": args.length_scale, "rotate_s": args.rotate_s, "bursty_hot_set": args.capacity,
+            "seed": args.seed, "deploy_and_warm_s": self.deploy_s, "timings_s": self.timings, "notes": notes,
+            "results": self.results[workload],
+        }, args.results_dir)
+
+
+def warm_up(url: str, model_id: str, adapter: str, replicas: int) -> None:
+    """First-call costs of the serving path on every replica, with the base model and an adapter in no trace."""
+    async def go():
+        bodies = [{"model": m, "prompt": [8, 9, 10, 11] * 4, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                   "stream": True} for m in (model_id, adapter) for _ in range(2 * replicas)]
+        async with httpx.AsyncClient(timeout=600) as client:
+            start = time.perf_counter()
+            await asyncio.gather(*(stream_completion(client, url, b, RequestResult(b["model"], 0.0), start)
+                                   for b in bodies))
+    asyncio.run(go())
+
+
+def print_run(arm: str, workload: str, n: int, s: dict) -> None:
+    ms = lambda x: "n/a" if x is None else f"{1e3 * x:.0f}"  # noqa: E731
+    rate = "n/a" if s["hint_hit_rate"] is None else f"{s['hint_hit_rate']:.2f}"
+    wait = s["router_wait"]["mean"]
+    print(f"{workload} N={n} {arm}: {s['completed']}/{s['requests']} ok, TTFT p50/p99 {ms(s['ttft_s']['p50'])}/"
+          f"{ms(s['ttft_s']['p99'])} ms, {s['request_throughput_per_s']:.2f} req/s, hit rate {rate}, stall "
+          f"{1e3 * s['stall_s_per_request']:.1f} ms/req, waiting in router {'n/a' if wait is None else f'{wait:.1f}'}"
+          f" (mean), hints to replicas {s['hints_received']}", flush=True)

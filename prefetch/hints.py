@@ -24,7 +24,7 @@ class HintBook:
     A hint travels router -> router actor -> this replica's poll -> the engine thread; its request travels
     router -> replica -> the engine thread. When the replica frees a place moments after the router hinted, the
     request can win: it arrives before its hint. Without ids, that hint then waited for the adapter's next request
-    (uniform over 128 adapters at 6 req/s: 10-30 s later, the hint-lead tail of session 10) and kept the adapter
+    (uniform over 128 adapters at 6 req/s: 10-30 s later) and kept the adapter
     in the prefetch demand meanwhile. With ids, an arrival consumes exactly its own hint, and a hint whose request
     has already arrived is dropped (counted late)."""
 

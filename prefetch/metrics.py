@@ -56,6 +56,15 @@ class PrefetchMetrics:
     load_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))  # request to ready, per load
     unreported_stalls: deque = field(default_factory=lambda: deque(maxlen=4096))  # for an exporter to drain
 
+    def count_hint(self, outcome: str) -> None:
+        """outcome: what HintBook.add made of a hint."""
+        if outcome == "duplicate":
+            self.hints_duplicate += 1
+            return
+        self.hints_received += 1
+        if outcome == "late":
+            self.hints_late += 1
+
     def observe_stall(self, seconds: float) -> None:
         self.stalls.observe(seconds)
         self.unreported_stalls.append(seconds)

@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from prefetch.arena import HostArena
-from prefetch.copier import make_copier
+from prefetch.copier import WriteSlot, make_copier
 from prefetch.host_cache import HostCache
 from prefetch.layout import PageLayout
 from prefetch.metrics import PrefetchMetrics
@@ -25,29 +25,22 @@ MAX_ABS_WEIGHT = 1e6
 
 
 class Residency:
-    def __init__(self, config, layout: PageLayout, pool: SlotPool, read_parts: Callable[[str], Mapping],
-                 rank_of: Callable[[str], int], device: torch.device, dtype: torch.dtype,
-                 steps_left: Callable[[int], int] = lambda slot: 0):
-        """read_parts(adapter_id) -> what PageLayout.pack takes; called on disk worker threads.
-        rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs.
-        steps_left(slot) -> how many more steps the requests pinning `slot` may run (the engine knows)."""
+    def __init__(self, config, layout: PageLayout, pool: SlotPool, write_slot: WriteSlot,
+                 read_parts: Callable[[str], Mapping], rank_of: Callable[[str], int], device: torch.device,
+                 dtype: torch.dtype):
+        """write_slot: copies a packed adapter into its device pages (LoRASlots.write_slot); runs on the copier.
+        read_parts(adapter_id) -> what PageLayout.pack takes; called on disk worker threads.
+        rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs."""
         self.layout, self.pool = layout, pool
         self.device, self.dtype = device, dtype
-        self.prefetch_enabled = config.prefetch
         self._read_parts, self._rank_of = read_parts, rank_of
         self.metrics = PrefetchMetrics()
         arena = HostArena.for_budget(config.host_cache_bytes, layout.page_numel, dtype, pin=device.type == "cuda",
                                      min_pages=layout.max_pages)
         self.host_cache = HostCache(arena, self._read, self.pages_of, workers=config.disk_workers)
-        self._max_inflight = config.max_inflight_loads
-        self.pipeline: PrefetchPipeline | None = None
+        self.pipeline = PrefetchPipeline(pool, self.host_cache, make_copier(device, write_slot), self.metrics,
+                                         self.pages_of, config.max_inflight_loads)
         self.draining: int | None = None  # a pinned slot that takes no new requests, so it can be reused
-        self._steps_left = steps_left
-
-    def attach(self, write_slot) -> None:
-        copier = make_copier(self.device, write_slot)
-        self.pipeline = PrefetchPipeline(self.pool, self.host_cache, copier, self.metrics, self.pages_of,
-                                         self._max_inflight)
 
     def pages_of(self, adapter_id: str) -> int:
         return self.layout.pages_for(self._rank_of(adapter_id))
@@ -102,17 +95,19 @@ class Residency:
     def is_loading(self) -> bool:
         return bool(self.pipeline.loads)
 
-    def acquire(self, adapter_id: str, may_block: bool) -> int | None:
+    def acquire(self, adapter_id: str, may_block: bool, steps_left: Callable[[int], int]) -> int | None:
         """Pin the slot of adapter_id if a forward may use it now; None defers the request.
 
         may_block: load synchronously if needed (prefetch disabled); the wait counts as a stall.
+        steps_left(slot) -> how many more steps the requests pinning `slot` may run (the caller's batch knows):
+        with every slot pinned, the one that frees soonest drains.
         """
         slot = self.pool.lookup(adapter_id)
         if slot is None and may_block:
             slot = self._load_now(adapter_id)
         if slot is None:
             if self._planned_load(adapter_id) is None and self.draining is None:
-                self._start_draining()
+                self._start_draining(steps_left)
             return None
         if slot == self.draining or not self.pipeline.is_usable(slot):
             return None
@@ -133,13 +128,13 @@ class Residency:
         loads = plan(view_of(self.pool), [adapter_id], self.pipeline.page_needs([adapter_id]), max_loads=1).loads
         return loads[0][1] if loads else None
 
-    def _start_draining(self) -> None:
+    def _start_draining(self, steps_left: Callable[[int], int]) -> None:
         """Every slot is pinned: stop feeding the one that frees soonest (fewest steps left to its requests,
         then least recently used), so a waiting adapter gets in. Draining the least recently used slot
         alone let a waiting request sit behind a long generation for seconds on the H100."""
         pinned = [i for i in self.pool.occupied() if self.pool.slots[i].pins > 0]
         if pinned:
-            self.draining = min(pinned, key=lambda i: (self._steps_left(i), self.pool.slots[i].last_used))
+            self.draining = min(pinned, key=lambda i: (steps_left(i), self.pool.slots[i].last_used))
 
     def _load_now(self, adapter_id: str) -> int | None:
         victims = self._planned_load(adapter_id)

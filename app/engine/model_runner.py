@@ -1,14 +1,9 @@
 """The model runner: turns a step plan into input tensors, runs transformers' model, returns logits.
 
-The only place that knows about CUDA graphs and static buffers. Every step's tokens are flattened into
-one row ([1, T]: decode rows first, then prefill chunks). A step on CUDA replays the graph captured at
-start-up for the smallest bucket that holds its tokens, with every per-step input (token ids, positions,
-cache slots, block tables, context lengths, LoRA segments) copied into that bucket's static buffers;
-padded rows write their K/V into the scratch block 0 and attend to nothing. The graphs run every token as
-a decode row: a prefill token at position p is a row with its sequence's block table and context p + 1,
-which the paged decode kernel attends causally once the step's K/V are written. Buckets above
-max_batch_size exist for steps that prefill (up to `max_graph_tokens`): run eagerly, such a step costs
-tens of ms of host launches for a few ms of GPU work. Larger steps, and every step on CPU, run eagerly.
+The only place that knows about CUDA graphs and static buffers: on CUDA a step replays the graph captured at
+start-up for the smallest bucket that holds its tokens (app/engine/cuda_graphs.py). Larger steps, and every
+step on CPU, run eagerly, all of a step's tokens flattened into one row ([1, T]: decode rows first, then
+prefill chunks; app/engine/step_inputs.py).
 """
 
 from __future__ import annotations
@@ -17,81 +12,21 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from itertools import groupby
 
 import torch
 
+from app.engine.cuda_graphs import CudaGraphs, DecodeGraph, graph_buckets
+from app.engine.kv_blocks import BlockManager
+from app.engine.scheduler import StepPlan
+from app.engine.step_inputs import StepInputs
 from app.model import attention as attention_module
 from app.model.attention import AttentionMetadata, AttentionState, PagedKVCache, install, kernel_supports
 from app.model.kernels import attention as attention_kernels
 from app.model.kernels import lora as lora_kernels
-from app.engine.kv_blocks import BlockManager
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 from app.model.norms import fuse_rms_norms
-from app.engine.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # above max_batch_size: steps that prefill
-# In a graph each prefill token reads its whole context as a decode row, where flash reads a chunk's context
-# once: beyond this many context tokens over a step's prefill rows (a 512-token prompt has 131k), that reading
-# (4 KB per token and layer at Llama-3-8B shapes) outgrows the host time a replay saves (a bound set by estimate,
-# not measured: the 2 x 224-token step, 50k context tokens, replayed 3x faster than eager).
-MAX_GRAPH_PREFILL_CONTEXT = 1 << 17
-
-
-def buckets_up_to(max_batch_size: int) -> list[int]:
-    return sorted({b for b in BUCKETS if b < max_batch_size} | {max_batch_size})
-
-
-def graph_buckets(max_batch_size: int, max_graph_tokens: int) -> list[int]:
-    """Decode buckets up to max_batch_size, then coarser token buckets up to max_graph_tokens."""
-    tokens = {b for b in TOKEN_BUCKETS if max_batch_size < b < max_graph_tokens}
-    top = {max_graph_tokens} if max_graph_tokens > max_batch_size else set()
-    return sorted(set(buckets_up_to(max_batch_size)) | tokens | top)
-
-
-def as_decode_rows(inputs: StepInputs) -> StepInputs:
-    """The step with every prefill token as a decode row: its sequence's block table (the same list object
-    for a chunk's rows) and context position + 1, so the paged decode attention masks it causally."""
-    tables, lens = list(inputs.decode_tables), list(inputs.decode_lens)
-    starts, nd = inputs.prefill_query_starts, inputs.num_decode
-    for i, table in enumerate(inputs.prefill_tables):
-        first = inputs.positions[nd + starts[i]]
-        n = starts[i + 1] - starts[i]
-        tables += [table] * n
-        lens += range(first + 1, first + n + 1)
-    return replace(inputs, num_decode=len(inputs.input_ids), decode_tables=tables, decode_lens=lens,
-                   prefill_tables=[], prefill_query_starts=[0], prefill_lens=[])
-
-
-@dataclass
-class StepInputs:
-    """Host-side arrays of one step."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    token_slots: list[int]  # adapter slot of each token, -1 for base
-    num_decode: int
-    decode_tables: list[list[int]]
-    decode_lens: list[int]
-    prefill_tables: list[list[int]]
-    prefill_query_starts: list[int]
-    prefill_lens: list[int]
-    logits_index: list[int]  # token index of each sampled chunk's last token, in plan.chunks order
-
-
-class DecodeGraph:
-    """One captured step of `batch` decode rows; it reads the runner's static buffers, writes `logits` (every
-    row's, or for a bucket above max_batch_size the rows of `static_sample`). A `lora` graph runs the LoRA
-    kernels; the other, for steps whose rows all use the base model, skips them."""
-
-    def __init__(self, batch: int, lora: bool):
-        self.batch, self.lora = batch, lora
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -112,48 +47,16 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_batch_size = max_batch_size
-        self.buckets = graph_buckets(max_batch_size, max_graph_tokens)
-        self.graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (batch, lora) -> graph
-        self.capture_seconds = 0.0
-        self.mixed_replays = 0  # steps that prefill, replayed in a graph
-        # The decode graphs replay what this callable launches at capture: transformers' decoder eagerly,
-        # or compiled by torch.compile, whose inductor fuses the elementwise work between the GEMMs
-        # (RMSNorm with its residual add, RoPE). Our attention and LoRA kernels stay opaque to it.
-        self._decoder = model.model
-        self.compiled = False
+        self.cuda_graphs: CudaGraphs | None = None
         if use_graphs and self.device.type == "cuda" and self.use_kernel:
-            if compile_decode:
-                self._decoder = torch.compile(model.model, dynamic=True)
-                self.compiled = True
-            self._capture_all()
+            buckets = graph_buckets(max_batch_size, max_graph_tokens)
+            self.cuda_graphs = CudaGraphs(model, self.attention, lora, buckets, max_batch_size, self.max_blocks,
+                                          self.block_size, self.head_dim, compile_decode)
         if self.device.type == "cuda":
             self._warm_eager()
 
-    # --- inputs ---------------------------------------------------------------------------------
-
     def prepare(self, plan: StepPlan) -> StepInputs:
-        bs, tables = self.block_size, self.blocks.tables
-        inputs = StepInputs([], [], [], [], len(plan.decode), [], [], [], [0], [], [])
-        for i, chunk in enumerate(plan.chunks):  # decode rows first
-            request, table = chunk.request, tables[chunk.request.request_id]
-            first = len(inputs.input_ids)
-            inputs.input_ids += request.token_ids(chunk.start, chunk.end)
-            positions = range(chunk.start, chunk.end)
-            inputs.positions += positions
-            inputs.slot_mapping += [table[p // bs] * bs + p % bs for p in positions]
-            inputs.token_slots += [-1 if request.slot is None else request.slot] * chunk.length
-            if i < inputs.num_decode:
-                inputs.decode_tables.append(table)
-                inputs.decode_lens.append(chunk.end)
-            else:
-                inputs.prefill_tables.append(table)
-                inputs.prefill_query_starts.append(len(inputs.input_ids) - inputs.num_decode)
-                inputs.prefill_lens.append(chunk.end)
-            if chunk.samples:
-                inputs.logits_index.append(first + chunk.length - 1)
-        return inputs
-
-    # --- running --------------------------------------------------------------------------------
+        return StepInputs.of(plan, self.blocks.tables, self.block_size)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, logits_all: bool = False, extra_rows: Sequence[int] = ()) -> torch.Tensor:
@@ -161,19 +64,10 @@ class ModelRunner:
         cache is updated. extra_rows: flat token indices (plan.chunks order) whose logits follow the sampled
         rows' (echo's prompt logprobs), so only the requests that ask pay for them."""
         inputs = self.prepare(plan)
-        if self.graphs and not logits_all and not extra_rows and len(inputs.logits_index) <= self.max_batch_size:
-            rows = inputs if plan.is_decode_only else as_decode_rows(inputs)
-            cheap = plan.is_decode_only or sum(rows.decode_lens[inputs.num_decode:]) <= MAX_GRAPH_PREFILL_CONTEXT
-            graph = self._graph_for(rows) if cheap else None
-            if graph is not None:
-                self._fill_static(rows, graph.batch)
-                graph.graph.replay()
-                if plan.is_decode_only:
-                    return graph.logits[: inputs.num_decode]
-                self.mixed_replays += 1
-                if graph.batch > self.max_batch_size:  # the graph gathered the sampled rows (static_sample)
-                    return graph.logits[: len(inputs.logits_index)]
-                return graph.logits[torch.tensor(inputs.logits_index, dtype=torch.long, device=self.device)]
+        if self.cuda_graphs is not None and not logits_all and not extra_rows:
+            logits = self.cuda_graphs.replay(inputs, plan.is_decode_only)
+            if logits is not None:
+                return logits
         hidden = self._forward_eager(inputs)
         if not logits_all:
             hidden = hidden[torch.tensor(inputs.logits_index + list(extra_rows), dtype=torch.long, device=self.device)]
@@ -255,110 +149,26 @@ class ModelRunner:
         t = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
         self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots))
 
-    # --- CUDA graphs ----------------------------------------------------------------------------
+    # --- what the engine reports of its graphs --------------------------------------------------
+
+    @property
+    def graphs(self) -> dict[tuple[int, bool], DecodeGraph]:
+        """(batch, lora) -> captured graph; empty where every step runs eagerly."""
+        return {} if self.cuda_graphs is None else self.cuda_graphs.graphs
 
     @property
     def graph_batches(self) -> list[int]:
         return sorted({batch for batch, _ in self.graphs})
 
-    def _graph_for(self, inputs: StepInputs) -> DecodeGraph | None:
-        """The smallest captured bucket that holds the step's rows (all decode rows), with LoRA if any uses it."""
-        lora = any(slot >= 0 for slot in inputs.token_slots)
-        for batch, with_lora in sorted(self.graphs):
-            if batch >= inputs.num_decode and with_lora == lora:
-                return self.graphs[batch, lora]
-        return None
+    @property
+    def compiled(self) -> bool:
+        return self.cuda_graphs is not None and self.cuda_graphs.compiled
 
-    def _segment_cap(self, batch: int) -> int:
-        return min(batch, self.max_batch_size)  # segments are distinct adapters: at most one per request
+    @property
+    def capture_seconds(self) -> float:
+        return 0.0 if self.cuda_graphs is None else self.cuda_graphs.capture_seconds
 
-    def _allocate_static(self) -> None:
-        n, dev = max(self.buckets), self.device
-        self.static_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.static_positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.static_slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
-        self.static_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.static_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.static_order = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.static_starts = torch.zeros(n + 1, dtype=torch.int32, device=dev)
-        self.static_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self.static_sample = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)  # rows to sample
-        # Host staging for one non-blocking copy per step.
-        self.host_ints = torch.zeros(7 * n + 1 + self.max_batch_size, dtype=torch.long, pin_memory=True)
-        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
-
-    def _fill_static(self, inputs: StepInputs, batch: int) -> None:
-        """Copy the step's inputs into the bucket's static buffers: one pinned staging buffer, one copy."""
-        pad = [0] * (batch - inputs.num_decode)
-        s_cap = self._segment_cap(batch)
-        order, starts, slots = segments(inputs.token_slots, batch, s_cap)
-        sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
-        values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
-                  + inputs.decode_lens + pad + order + starts + slots + sample)
-        # The previous step's copies from these pinned buffers are complete: each step ends by reading its
-        # sampled tokens back, which waits for the stream.
-        ints = self.host_ints[: len(values)]
-        ints.copy_(torch.tensor(values, dtype=torch.long))
-        tables = self.host_tables[:batch]
-        tables.zero_()
-        row = 0
-        for _, run in groupby(inputs.decode_tables, key=id):  # a prefill chunk's rows share one table object
-            run = list(run)
-            tables[row: row + len(run), : len(run[0])] = torch.tensor(run[0], dtype=torch.int32)
-            row += len(run)
-        staged = ints.to(self.device, non_blocking=True)
-        sizes = ((self.static_ids, batch), (self.static_positions, batch), (self.static_slot_mapping, batch),
-                 (self.static_lens, batch), (self.static_order, batch), (self.static_starts, s_cap + 1),
-                 (self.static_slots, s_cap), (self.static_sample, self.max_batch_size))
-        offset = 0
-        for tensor, n in sizes:
-            tensor[:n].copy_(staged[offset:offset + n])
-            offset += n
-        self.static_tables[:batch].copy_(tables, non_blocking=True)
-
-    def _capture_all(self) -> None:
-        start = time.perf_counter()
-        self._allocate_static()
-        self.lora.ctx.overlap = True  # the LoRA shrink beside each GEMM, in the graphs only (app/model/lora.py)
-        pool = None
-        for batch, lora in [(b, lora) for b in reversed(self.buckets) for lora in (True, False)]:
-            graph = DecodeGraph(batch, lora)
-            self._bind_static(batch, lora)
-            with torch.inference_mode():
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._static_forward(batch)  # compiles the kernels for these shapes
-                torch.cuda.current_stream().wait_stream(stream)
-                with torch.cuda.graph(graph.graph, pool=pool):
-                    graph.logits = self._static_forward(batch)
-            pool = graph.graph.pool()
-            self.graphs[batch, lora] = graph
-        self.attention.meta, self.lora.ctx.meta, self.lora.ctx.overlap = None, None, False
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d graphs (rows %s, with and without LoRA%s) in %.1f s", len(self.graphs),
-                 sorted({batch for batch, _ in self.graphs}), ", torch.compile" if self.compiled else "",
-                 self.capture_seconds)
-
-    def _bind_static(self, batch: int, lora: bool) -> None:
-        config = self.model.config
-        q = torch.empty(batch, config.num_attention_heads, self.head_dim, device=self.device)
-        workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, self.static_tables[:batch],
-                                                       self.block_size)
-        self.attention.meta = AttentionMetadata(
-            slot_mapping=self.static_slot_mapping[:batch], num_decode=batch,
-            decode_block_tables=self.static_tables[:batch], decode_context_lens=self.static_lens[:batch],
-            decode_workspace=workspace, prefill_blocks=[], prefill_query_starts=[0], prefill_context_lens=[],
-            use_kernel=True)
-        s_cap = self._segment_cap(batch)
-        self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:s_cap + 1],
-                                          self.static_slots[:s_cap]) if lora else None
-
-    def _static_forward(self, batch: int) -> torch.Tensor:
-        out = self._decoder(input_ids=self.static_ids[None, :batch],
-                            position_ids=self.static_positions[None, :batch], use_cache=False)
-        hidden = out.last_hidden_state[0]
-        if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows
-            hidden = hidden.index_select(0, self.static_sample)
-        return self.model.lm_head(hidden)
+    @property
+    def mixed_replays(self) -> int:
+        """Steps that prefill, replayed in a graph."""
+        return 0 if self.cuda_graphs is None else self.cuda_graphs.mixed_replays

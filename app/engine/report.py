@@ -1,22 +1,19 @@
-"""What an engine reports: its routing stats (for the router), its metrics (for Prometheus and the benches), and
-one prompt's logits computed outside the batch (for tests and debugging)."""
+"""What an engine reports: its routing stats (for the router) and its metrics (for Prometheus and the benches),
+read from the engine's public state (`EngineState`), and the result of its last invariant check."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from app.errors import AdapterLoadFailed, CapacityExceeded
-from app.engine.request import Request
-from app.sampling.params import SamplingParams
-from app.engine.scheduler import Chunk, StepPlan
+from app.engine.model_runner import ModelRunner
+from app.engine.scheduler import Scheduler
+from app.engine.step_timing import StepTiming
+from prefetch.metrics import Histogram
 from prefetch.placement import hint_room
-
-if TYPE_CHECKING:
-    from app.engine.engine import LLMEngine
-
+from prefetch.residency import Residency
 
 # The full invariant check walks every page of the host arena and the device pool (1.5 ms on the 2-core CI CPU
 # for the tiny demo), on the engine thread, and the routing stats are read several times a second: with requests in
@@ -31,7 +28,7 @@ class InvariantReport:
     def __init__(self):
         self.checked_at, self.result = float("-inf"), "unchecked"
 
-    def status(self, engine: LLMEngine) -> str:
+    def status(self, engine: EngineState) -> str:
         now = time.monotonic()
         if engine.has_requests() and now - self.checked_at < INVARIANTS_BUSY_EVERY_S:
             return self.result
@@ -44,11 +41,33 @@ class InvariantReport:
         return self.result
 
 
-def routing_stats(engine: LLMEngine) -> dict:
+class EngineState(Protocol):
+    """The public state of an engine (app/engine/engine.py) that its report reads."""
+
+    device: torch.device
+    steps: int
+    scheduler: Scheduler
+    runner: ModelRunner
+    residency: Residency
+    invariants: InvariantReport
+    timing: StepTiming
+    hint_lead: Histogram
+    adapter_wait: Histogram
+    adapter_wait_before_load: Histogram
+    first_token_time: Histogram
+    request_time: Histogram
+
+    def has_requests(self) -> bool: ...
+
+    def check_invariants(self) -> None: ...
+
+
+def routing_stats(engine: EngineState) -> dict:
     """What the router needs to know about this replica."""
     snapshot = engine.residency.snapshot()
-    queued = {r.adapter_id for r in engine.waiting if r.adapter_id is not None}
-    busy = queued | {r.adapter_id for r in engine.running if r.adapter_id is not None}
+    waiting, running = engine.scheduler.waiting, engine.scheduler.running
+    queued = {r.adapter_id for r in waiting if r.adapter_id is not None}
+    busy = queued | {r.adapter_id for r in running if r.adapter_id is not None}
     host_adapters = engine.residency.host_capacity()
     return {
         "invariants": engine.invariants.status(engine),
@@ -57,8 +76,8 @@ def routing_stats(engine: LLMEngine) -> dict:
         "resident": snapshot["resident_adapters"],
         "loading": snapshot["loading_adapters"],
         "queued": sorted(queued),
-        "running": len(engine.running),
-        "waiting": len(engine.waiting),
+        "running": len(running),
+        "waiting": len(waiting),
         "free_slots": engine.residency.free_slots(),
         "host_cache_adapters": host_adapters,
         "hint_room": hint_room(host_adapters, len(busy)),  # the router's budget of hinted adapters here
@@ -69,24 +88,26 @@ def routing_stats(engine: LLMEngine) -> dict:
         "step_timing": engine.timing.summary(),
     }
 
-def metrics(engine: LLMEngine, drain_stalls: bool = False) -> dict:
+
+def metrics(engine: EngineState, drain_stalls: bool = False) -> dict:
     """drain_stalls: also return (and forget) the stall durations not yet reported, as "stalls"."""
     stalls = {}
     if drain_stalls:
         events = engine.residency.metrics.unreported_stalls
         stalls = {"stalls": list(events)}
         events.clear()
+    scheduler, runner = engine.scheduler, engine.runner
     return {
         **stalls,
         "steps": engine.steps,
-        "queue_length": len(engine.waiting),
-        "batch_size": len(engine.running),
-        "kv_blocks_total": engine.blocks.num_blocks - 1,
-        "kv_blocks_free": engine.blocks.free_count(),
-        "preemptions": engine.scheduler.preemptions,
-        "prefix_shared_tokens": engine.scheduler.shared_prefix_tokens,
-        "decode_graphs": engine.runner.graph_batches,
-        "graph_capture_seconds": round(engine.runner.capture_seconds, 2),
+        "queue_length": len(scheduler.waiting),
+        "batch_size": len(scheduler.running),
+        "kv_blocks_total": scheduler.blocks.num_blocks - 1,
+        "kv_blocks_free": scheduler.blocks.free_count(),
+        "preemptions": scheduler.preemptions,
+        "prefix_shared_tokens": scheduler.shared_prefix_tokens,
+        "decode_graphs": runner.graph_batches,
+        "graph_capture_seconds": round(runner.capture_seconds, 2),
         "step_timing": engine.timing.summary(),
         "adapter_wait_seconds": engine.adapter_wait.as_dict(),
         "adapter_wait_before_load_seconds": engine.adapter_wait_before_load.as_dict(),
@@ -95,28 +116,3 @@ def metrics(engine: LLMEngine, drain_stalls: bool = False) -> dict:
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
     }
-
-
-def prompt_logits(engine: LLMEngine, prompt: str, adapter_id: str | None = None) -> torch.Tensor:
-    """Logits [tokens, vocab] at every prompt position, outside the batch (tests, debugging)."""
-    request = Request(f"logits-{next(engine._ids)}", adapter_id, engine.tokenizer(prompt)["input_ids"],
-                      SamplingParams(max_tokens=1))
-    if adapter_id is not None:
-        engine.registry.get(adapter_id)
-        while (slot := engine.residency.acquire(adapter_id, may_block=True)) is None:
-            engine.residency.stall_for(adapter_id)
-            engine.residency.poll()
-            if failure := engine.residency.take_failures().get(adapter_id):
-                raise AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {failure}")
-        request.slot = slot
-    n = request.num_tokens
-    if not engine.blocks.can_allocate(request.request_id, n):
-        engine._release(request)
-        raise CapacityExceeded(f"the KV cache has no room for {n} tokens now", retry_after_s=1.0)
-    engine.blocks.allocate(request.request_id, n)
-    try:
-        engine.residency.before_forward([request.slot] if request.slot is not None else [])
-        return engine.runner.execute(StepPlan(prefill=[Chunk(request, 0, n)]), logits_all=True).float().cpu()
-    finally:
-        engine.blocks.release(request.request_id)
-        engine._release(request)

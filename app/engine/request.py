@@ -63,3 +63,29 @@ class Request:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
+
+
+class PromptIndex:
+    """The latest live request for each (adapter, prompt), so that a new request with the same ones starts from
+    its cached prompt blocks: the n choices of a prompt (and identical prompts) prefill it once."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._latest: dict[tuple, Request] = {}  # (adapter, prompt ids) -> the latest live request with them
+
+    def link(self, request: Request) -> None:
+        """Point `request` at the latest live request with its adapter and prompt (app/engine/scheduler.py waits
+        for that one's whole prompt blocks). A request that wants its prompt's logprobs (echo) computes them
+        itself."""
+        key = (request.adapter_id, tuple(request.prompt_ids))
+        source = self._latest.get(key)
+        tokens = (len(request.prompt_ids) - 1) // self.block_size * self.block_size
+        if source is not None and source.finish_reason is None and tokens and request.params.prompt_logprobs is None:
+            request.prefix_source, request.prefix_tokens = source, tokens
+        self._latest[key] = request
+
+    def forget(self, request: Request) -> None:
+        """`request` ended."""
+        key = (request.adapter_id, tuple(request.prompt_ids))
+        if self._latest.get(key) is request:
+            del self._latest[key]

@@ -177,11 +177,11 @@ def main():
             for s in seqs:
                 s.num_cached, s.output = args.context, [1]
             plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
-            graph = runner._graph_for(runner.prepare(plan))
+            graph = runner.cuda_graphs.graph_for(runner.prepare(plan))
             runner.execute(plan)
             replay = [statistics.median(cuda_ms(graph.graph.replay, args.iters)) for _ in range(args.runs)]
             whole = [statistics.median(host_ms(lambda: runner.execute(plan), args.iters)) for _ in range(args.runs)]
-            host = statistics.median(host_ms(lambda: runner._fill_static(runner.prepare(plan), graph.batch), args.iters))
+            host = statistics.median(host_ms(lambda: runner.cuda_graphs.fill(runner.prepare(plan), graph.batch), args.iters))
             if os.environ.get("PROFILE") and batch == 32:
                 profile_table(graph.graph.replay, f"decode graph replay, batch 32, {distinct} distinct adapters")
             ms = statistics.median(replay)
@@ -205,13 +205,13 @@ def main():
         blocks.allocate(s.request_id, args.context + 1)
         s.num_cached, s.output = args.context, [1]
     plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
-    graphs, runner.graphs = runner.graphs, {}
+    cuda_graphs, runner.cuda_graphs = runner.cuda_graphs, None
     eager = [statistics.median(host_ms(lambda: runner.execute(plan), 10)) for _ in range(3)]
     emit(variant="decode_eager", batch=batch, distinct=32, ms=round(statistics.median(eager), 3),
          run_medians_ms=[round(x, 3) for x in eager], ratio_to_floor=round(statistics.median(eager) / floor_ms, 3))
     if os.environ.get("PROFILE"):
         profile_table(lambda: runner.execute(plan), "eager decode, 32 distinct adapters")
-    runner.graphs = graphs
+    runner.cuda_graphs = cuda_graphs
 
     if args.out:
         meta = {"command": "python -m bench.engine.decode " + " ".join(os.sys.argv[1:]),

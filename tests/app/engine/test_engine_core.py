@@ -87,7 +87,7 @@ def test_prefill_tokens_as_decode_rows_equal_prefill(make_engine, manifest, adap
     """What a graph replays for a step that prefills: every prompt token as a decode row with its sequence's
     block table and context position + 1 (`as_decode_rows`), here through the decode reference on CPU,
     with chunks that continue earlier ones and decode rows beside them."""
-    from app.engine.model_runner import as_decode_rows
+    from app.engine.step_inputs import as_decode_rows
 
     work = jobs(manifest, adapter_names)
     whole = generate(make_engine(num_slots=8), work)
@@ -107,7 +107,7 @@ def test_prefill_tokens_as_decode_rows_equal_prefill(make_engine, manifest, adap
 
 
 def test_graph_buckets_cover_decode_batches_then_step_tokens():
-    from app.engine.model_runner import graph_buckets
+    from app.engine.cuda_graphs import graph_buckets
 
     assert graph_buckets(32, 512) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]
     assert graph_buckets(32, 0) == graph_buckets(32, 32) == [1, 2, 4, 8, 16, 24, 32]

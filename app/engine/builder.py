@@ -1,0 +1,94 @@
+"""Builds what an engine runs on from its config: the model and tokenizer, the adapter registry, the device
+adapter pool and its residency, the KV cache and the model runner.
+
+The order is the device memory's: the weights load first, the adapter pool is sized (and allocated) from what
+they leave, the KV cache takes its share of what is left after that, and the runner captures its graphs last.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from app.adapters.registry import AdapterRegistry, read_adapter
+from app.adapters.targets import target_shapes
+from app.engine.config import EngineConfig
+from app.engine.kv_blocks import BlockManager
+from app.engine.model_runner import ModelRunner
+from app.model.attention import PagedKVCache, kv_cache_blocks
+from app.model.lora import LoRASlots, pool_size
+from app.sampling.structured import GrammarCompiler
+from prefetch.layout import PageLayout
+from prefetch.residency import Residency
+from prefetch.slot_pool import SlotPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """An engine's collaborators, each whole: the engine wires none of them itself."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: PreTrainedTokenizerBase
+    model_config: PretrainedConfig
+    max_model_len: int
+    eos_ids: set[int]
+    registry: AdapterRegistry
+    grammars: GrammarCompiler
+    lora: LoRASlots  # the model's target linears, wrapped, and the device adapter pool they read
+    residency: Residency
+    blocks: BlockManager
+    runner: ModelRunner
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+    model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype).to(device).eval()
+    max_model_len = model.config.max_position_embeddings
+    registry = AdapterRegistry(
+        config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
+    )
+    shapes = {m: s for m, s in target_shapes(model.config).items() if m.rsplit(".", 1)[1] in config.target_modules}
+    layout = PageLayout(shapes, config.max_rank, config.adapter_page_rows)
+    num_pages, num_slots = pool_size(config, layout, dtype, device)
+    # A step feeds at most the prefill budget plus one token per decode row; prompt_logits feeds a whole prompt.
+    max_step_tokens = max(max(config.max_prefill_tokens_per_step, config.max_input_tokens) + config.max_batch_size,
+                          config.max_graph_tokens)  # a graph bucket's padded rows too
+    lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
+    residency = Residency(config, layout, SlotPool(num_pages, num_slots), lora.write_slot,
+                          partial(_read_parts, registry), lambda adapter_id: registry.get(adapter_id).rank,
+                          device, dtype)
+    blocks = BlockManager(kv_cache_blocks(config, model.config, dtype, device, max_model_len), config.block_size)
+    cache = PagedKVCache.for_model(model.config, blocks.num_blocks, config.block_size, dtype, device)
+    runner = ModelRunner(model, lora, blocks, cache, config.max_batch_size, max_model_len,
+                         use_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
+                         max_graph_tokens=config.max_graph_tokens)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter pool: %d pages, up to %d adapters (%.2f GB); "
+             "decode graphs: %s", blocks.num_blocks, config.block_size,
+             cache.k.numel() * cache.k.element_size() * 2 / 1e9, num_pages, num_slots, lora.nbytes() / 1e9,
+             runner.graph_batches or "none")
+    eos_ids = _eos_ids(model, tokenizer)
+    return EngineParts(device, dtype, tokenizer, model.config, max_model_len, eos_ids, registry,
+                       GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids), lora, residency, blocks, runner)
+
+
+def _read_parts(registry: AdapterRegistry, adapter_id: str):
+    # Worker thread. The residency bound-checks the packed weights (NaN/Inf included), so the
+    # registry's own NaN scan would only read every byte a second time.
+    return read_adapter(registry.get(adapter_id), check_finite=False).flat_parts()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

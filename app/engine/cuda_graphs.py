@@ -1,0 +1,199 @@
+"""The model runner's CUDA graphs: one per token bucket, with and without LoRA, captured at start-up over static
+input buffers, and replayed for every step that fits one.
+
+A step replays the graph captured for the smallest bucket that holds its tokens, with every per-step input
+(token ids, positions, cache slots, block tables, context lengths, LoRA segments) copied into that bucket's
+static buffers; padded rows write their K/V into the scratch block 0 and attend to nothing. The graphs run
+every token as a decode row: a prefill token at position p is a row with its sequence's block table and
+context p + 1, which the paged decode kernel attends causally once the step's K/V are written. Buckets above
+max_batch_size exist for steps that prefill (up to `max_graph_tokens`): run eagerly, such a step costs tens of
+ms of host launches for a few ms of GPU work. Larger steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from itertools import groupby
+
+import torch
+
+from app.engine.step_inputs import StepInputs, as_decode_rows
+from app.model.attention import AttentionMetadata, AttentionState
+from app.model.kernels import attention as attention_kernels
+from app.model.lora import LoRAMetadata, LoRASlots, segments
+
+log = logging.getLogger(__name__)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # above max_batch_size: steps that prefill
+# In a graph each prefill token reads its whole context as a decode row, where flash reads a chunk's context
+# once: beyond this many context tokens over a step's prefill rows (a 512-token prompt has 131k), that reading
+# (4 KB per token and layer at Llama-3-8B shapes) outgrows the host time a replay saves (a bound set by estimate,
+# not measured: the 2 x 224-token step, 50k context tokens, replayed 3x faster than eager).
+MAX_GRAPH_PREFILL_CONTEXT = 1 << 17
+
+
+def buckets_up_to(max_batch_size: int) -> list[int]:
+    return sorted({b for b in BUCKETS if b < max_batch_size} | {max_batch_size})
+
+
+def graph_buckets(max_batch_size: int, max_graph_tokens: int) -> list[int]:
+    """Decode buckets up to max_batch_size, then coarser token buckets up to max_graph_tokens."""
+    tokens = {b for b in TOKEN_BUCKETS if max_batch_size < b < max_graph_tokens}
+    top = {max_graph_tokens} if max_graph_tokens > max_batch_size else set()
+    return sorted(set(buckets_up_to(max_batch_size)) | tokens | top)
+
+
+class DecodeGraph:
+    """One captured step of `batch` decode rows; it reads the static buffers, writes `logits` (every row's, or
+    for a bucket above max_batch_size the rows of `static_sample`). A `lora` graph runs the LoRA kernels; the
+    other, for steps whose rows all use the base model, skips them."""
+
+    def __init__(self, batch: int, lora: bool):
+        self.batch, self.lora = batch, lora
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+
+class CudaGraphs:
+    """Every bucket's graphs and the static buffers they read; building this captures them."""
+
+    def __init__(self, model, attention: AttentionState, lora: LoRASlots, buckets: list[int], max_batch_size: int,
+                 max_blocks: int, block_size: int, head_dim: int, compile_decode: bool):
+        self.model, self.attention, self.lora = model, attention, lora
+        self.device = next(model.parameters()).device
+        self.buckets, self.max_batch_size = buckets, max_batch_size
+        self.max_blocks, self.block_size, self.head_dim = max_blocks, block_size, head_dim
+        self.graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (batch, lora) -> graph
+        self.mixed_replays = 0  # steps that prefill, replayed in a graph
+        # The graphs replay what this callable launches at capture: transformers' decoder eagerly, or compiled
+        # by torch.compile, whose inductor fuses the elementwise work between the GEMMs (RMSNorm with its
+        # residual add, RoPE). Our attention and LoRA kernels stay opaque to it.
+        self.compiled = compile_decode
+        self._decoder = torch.compile(model.model, dynamic=True) if compile_decode else model.model
+        self.capture_seconds = 0.0
+        self._capture_all()
+
+    # --- replay ---------------------------------------------------------------------------------
+
+    def replay(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor | None:
+        """Logits of the step's sampled rows, from the smallest graph that holds the step; None: run it eagerly."""
+        if len(inputs.logits_index) > self.max_batch_size:
+            return None
+        rows = inputs if decode_only else as_decode_rows(inputs)
+        cheap = decode_only or sum(rows.decode_lens[inputs.num_decode:]) <= MAX_GRAPH_PREFILL_CONTEXT
+        graph = self.graph_for(rows) if cheap else None
+        if graph is None:
+            return None
+        self.fill(rows, graph.batch)
+        graph.graph.replay()
+        if decode_only:
+            return graph.logits[: inputs.num_decode]
+        self.mixed_replays += 1
+        if graph.batch > self.max_batch_size:  # the graph gathered the sampled rows (static_sample)
+            return graph.logits[: len(inputs.logits_index)]
+        return graph.logits[torch.tensor(inputs.logits_index, dtype=torch.long, device=self.device)]
+
+    def graph_for(self, inputs: StepInputs) -> DecodeGraph | None:
+        """The smallest captured bucket that holds the step's rows (all decode rows), with LoRA if any uses it."""
+        lora = any(slot >= 0 for slot in inputs.token_slots)
+        for batch, with_lora in sorted(self.graphs):
+            if batch >= inputs.num_decode and with_lora == lora:
+                return self.graphs[batch, lora]
+        return None
+
+    def fill(self, inputs: StepInputs, batch: int) -> None:
+        """Copy the step's inputs into the bucket's static buffers: one pinned staging buffer, one copy."""
+        pad = [0] * (batch - inputs.num_decode)
+        s_cap = self._segment_cap(batch)
+        order, starts, slots = segments(inputs.token_slots, batch, s_cap)
+        sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
+        values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
+                  + inputs.decode_lens + pad + order + starts + slots + sample)
+        # The previous step's copies from these pinned buffers are complete: each step ends by reading its
+        # sampled tokens back, which waits for the stream.
+        ints = self.host_ints[: len(values)]
+        ints.copy_(torch.tensor(values, dtype=torch.long))
+        tables = self.host_tables[:batch]
+        tables.zero_()
+        row = 0
+        for _, run in groupby(inputs.decode_tables, key=id):  # a prefill chunk's rows share one table object
+            run = list(run)
+            tables[row: row + len(run), : len(run[0])] = torch.tensor(run[0], dtype=torch.int32)
+            row += len(run)
+        staged = ints.to(self.device, non_blocking=True)
+        sizes = ((self.static_ids, batch), (self.static_positions, batch), (self.static_slot_mapping, batch),
+                 (self.static_lens, batch), (self.static_order, batch), (self.static_starts, s_cap + 1),
+                 (self.static_slots, s_cap), (self.static_sample, self.max_batch_size))
+        offset = 0
+        for tensor, n in sizes:
+            tensor[:n].copy_(staged[offset:offset + n])
+            offset += n
+        self.static_tables[:batch].copy_(tables, non_blocking=True)
+
+    def _segment_cap(self, batch: int) -> int:
+        return min(batch, self.max_batch_size)  # segments are distinct adapters: at most one per request
+
+    # --- capture --------------------------------------------------------------------------------
+
+    def _allocate_static(self) -> None:
+        n, dev = max(self.buckets), self.device
+        self.static_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.static_positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.static_slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
+        self.static_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.static_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.static_order = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.static_starts = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self.static_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self.static_sample = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)  # rows to sample
+        # Host staging for one non-blocking copy per step.
+        self.host_ints = torch.zeros(7 * n + 1 + self.max_batch_size, dtype=torch.long, pin_memory=True)
+        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
+
+    def _capture_all(self) -> None:
+        start = time.perf_counter()
+        self._allocate_static()
+        self.lora.ctx.overlap = True  # the LoRA shrink beside each GEMM, in the graphs only (app/model/lora.py)
+        pool = None
+        for batch, lora in [(b, lora) for b in reversed(self.buckets) for lora in (True, False)]:
+            graph = DecodeGraph(batch, lora)
+            self._bind_static(batch, lora)
+            with torch.inference_mode():
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._static_forward(batch)  # compiles the kernels for these shapes
+                torch.cuda.current_stream().wait_stream(stream)
+                with torch.cuda.graph(graph.graph, pool=pool):
+                    graph.logits = self._static_forward(batch)
+            pool = graph.graph.pool()
+            self.graphs[batch, lora] = graph
+        self.attention.meta, self.lora.ctx.meta, self.lora.ctx.overlap = None, None, False
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured %d graphs (rows %s, with and without LoRA%s) in %.1f s", len(self.graphs),
+                 sorted({batch for batch, _ in self.graphs}), ", torch.compile" if self.compiled else "",
+                 self.capture_seconds)
+
+    def _bind_static(self, batch: int, lora: bool) -> None:
+        config = self.model.config
+        q = torch.empty(batch, config.num_attention_heads, self.head_dim, device=self.device)
+        workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, self.static_tables[:batch],
+                                                       self.block_size)
+        self.attention.meta = AttentionMetadata(
+            slot_mapping=self.static_slot_mapping[:batch], num_decode=batch,
+            decode_block_tables=self.static_tables[:batch], decode_context_lens=self.static_lens[:batch],
+            decode_workspace=workspace, prefill_blocks=[], prefill_query_starts=[0], prefill_context_lens=[],
+            use_kernel=True)
+        s_cap = self._segment_cap(batch)
+        self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:s_cap + 1],
+                                          self.static_slots[:s_cap]) if lora else None
+
+    def _static_forward(self, batch: int) -> torch.Tensor:
+        out = self._decoder(input_ids=self.static_ids[None, :batch],
+                            position_ids=self.static_positions[None, :batch], use_cache=False)
+        hidden = out.last_hidden_state[0]
+        if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows
+            hidden = hidden.index_select(0, self.static_sample)
+        return self.model.lm_head(hidden)

@@ -59,5 +59,16 @@ def test_limits_leave_the_model_one_position_to_sample_into():
     class Config:
         max_input_tokens, max_queue = 2048, 7
 
-    assert Limits.of(Config, 100, 1024, 4096) == Limits(100, 1023, 4096, 7)
+    assert Limits.of(Config, 100, 1024, 4096) == Limits(100, 1023, 4096, 7, 1024)
     assert Limits.of(Config, 100, 4096, 4096).max_prompt_tokens == 2048
+
+
+def test_prompt_and_max_tokens_past_the_model_context_is_a_400_with_both_numbers():
+    """Before, the engine stopped at the context with finish_reason "length" (2,044 of 3,000 tokens asked)."""
+    limits = Limits(vocab_size=100, max_prompt_tokens=8, kv_capacity_tokens=64, max_queue=2, max_model_len=12)
+    params = SamplingParams(max_tokens=10)
+    with pytest.raises(InvalidRequest, match=r"maximum context length is 12 tokens; the request asks for 13 "
+                                             r"\(3 in the prompt, 10 in max_tokens\)") as refusal:
+        check_request("abc", None, params, Registry(), tokenizer, limits, 0)
+    assert refusal.value.status_code == 400
+    assert check_request("abc", None, SamplingParams(max_tokens=9), Registry(), tokenizer, limits, 0) == [97, 98, 99]

@@ -41,7 +41,7 @@ from app.errors import (
     AdapterRankTooHigh,
     AdapterTooLarge,
 )
-from app.adapters.targets import SUPPORTED_TARGETS, target_shapes
+from app.adapters.targets import TARGET_NAMES, target_names, target_shapes
 
 DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 _ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -86,7 +86,7 @@ class AdapterRegistry:
         base_config: PretrainedConfig,
         max_rank: int,
         max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
-        supported_targets: Sequence[str] = SUPPORTED_TARGETS,
+        supported_targets: Sequence[str] = TARGET_NAMES,
     ):
         if not roots:
             raise ValueError("at least one adapter root is required")
@@ -94,14 +94,15 @@ class AdapterRegistry:
             raise ValueError(f"max_rank ({max_rank}) must be >= 1")
         if max_adapter_bytes < 1:
             raise ValueError(f"max_adapter_bytes ({max_adapter_bytes}) must be >= 1")
-        unknown = set(supported_targets) - set(SUPPORTED_TARGETS)
+        unknown = set(supported_targets) - set(TARGET_NAMES)
         if unknown:
-            raise ValueError(f"supported_targets {sorted(unknown)} are not among {list(SUPPORTED_TARGETS)}")
+            raise ValueError(f"supported_targets {sorted(unknown)} are not among {list(TARGET_NAMES)}")
         self.roots = tuple(Path(root).expanduser().resolve(strict=True) for root in roots)
         self._roots = [str(root) for root in self.roots]  # for messages
         self.max_rank = max_rank
         self.max_adapter_bytes = max_adapter_bytes
-        self.supported_targets = frozenset(supported_targets)
+        # Only the base's own targets: an adapter for another architecture's names is refused by name.
+        self.supported_targets = frozenset(supported_targets) & frozenset(target_names(base_config))
         self.num_layers = base_config.num_hidden_layers
         self.base_shapes = {
             module: shape

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from app.adapters.registry import AdapterRegistry, read_adapter
 from app.adapters.targets import target_shapes
 from app.engine.config import EngineConfig
 from app.engine.kv_blocks import BlockManager
 from app.engine.model_runner import ModelRunner
+from app.model.architectures import check_supported
 from app.model.attention import PagedKVCache, kv_cache_blocks
 from app.model.lora import LoRASlots, pool_size
 from app.sampling.structured import GrammarCompiler
@@ -50,6 +51,7 @@ class EngineParts:
 def build_parts(config: EngineConfig) -> EngineParts:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
+    check_supported(AutoConfig.from_pretrained(config.base_model))  # before the weights load: refused by name
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
     model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype).to(device).eval()
     max_model_len = model.config.max_position_embeddings

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.adapters.targets import SUPPORTED_TARGETS
+from app.adapters.targets import TARGET_NAMES
 
 GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,7 +25,7 @@ class EngineConfig:
     adapter_memory_fraction: float = 0.2
     adapter_page_rows: int = 4
     max_rank: int = 16  # largest adapter rank
-    target_modules: tuple[str, ...] = SUPPORTED_TARGETS
+    target_modules: tuple[str, ...] = TARGET_NAMES  # the names adapters may target, where the base has them
     host_cache_bytes: int = 2 * GiB
     max_adapter_bytes: int = 2 * GiB
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -72,9 +72,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
-        unknown = set(self.target_modules) - set(SUPPORTED_TARGETS)
+        unknown = set(self.target_modules) - set(TARGET_NAMES)
         if unknown:
-            raise ValueError(f"target_modules {sorted(unknown)} are not supported; choose from {SUPPORTED_TARGETS}")
+            raise ValueError(f"target_modules {sorted(unknown)} are not supported; choose from {TARGET_NAMES}")
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError(
                 f"max_total_tokens ({self.max_total_tokens}) must exceed max_input_tokens ({self.max_input_tokens})"

@@ -19,12 +19,14 @@ from app.engine.cuda_graphs import CudaGraphs, DecodeGraph, graph_buckets
 from app.engine.kv_blocks import BlockManager
 from app.engine.scheduler import StepPlan
 from app.engine.step_inputs import StepInputs
-from app.model import attention as attention_module
-from app.model.attention import AttentionMetadata, AttentionState, PagedKVCache, install, kernel_supports
+from app.model.architectures import check_supported, head_dim
+from app.model.attention import (AttentionMetadata, AttentionState, PagedKVCache, install, kernel_supports,
+                                 varlen_supports)
 from app.model.kernels import attention as attention_kernels
 from app.model.kernels import lora as lora_kernels
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 from app.model.norms import fuse_rms_norms
+from app.model.softcap import install_logit_softcap
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +37,18 @@ class ModelRunner:
         self.model, self.lora, self.blocks, self.cache = model, lora, blocks, cache
         self.device = next(model.parameters()).device
         config = model.config
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.arch = check_supported(config)
+        self.head_dim = head_dim(config)
         self.use_kernel = kernel_supports(self.head_dim, self.device)
         # One varlen flash call per layer for all prefill chunks, instead of an SDPA call per sequence
         # (host-bound: tens of launches per sequence and layer). VARLEN_PREFILL=0 turns it off (benches).
-        self.use_varlen = (self.device.type == "cuda" and attention_module.VARLEN is not None
+        self.use_varlen = (self.device.type == "cuda" and varlen_supports(self.arch, config)
                            and os.environ.get("VARLEN_PREFILL", "1") != "0")
         self.attention = AttentionState(cache)
-        install(model, self.attention)
-        self.fused_norms = fuse_rms_norms(model)  # CUDA only: one kernel per RMSNorm (app/model/norms.py)
+        install(model, self.attention, self.arch)
+        install_logit_softcap(model, self.arch.logit_softcap(config))
+        # CUDA only: one kernel per RMSNorm (app/model/norms.py), for the x * w convention it computes.
+        self.fused_norms = fuse_rms_norms(model) if self.arch.norm == "x*w" else 0
         self.block_size = cache.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_batch_size = max_batch_size

@@ -1,4 +1,4 @@
-"""Paged, GQA-native attention plugged into transformers' own Llama through its AttentionInterface.
+"""Paged, GQA-native attention plugged into transformers' own model through its AttentionInterface.
 
 The model runner flattens every sequence of a step into one row of tokens ([1, T]: decode rows first,
 one token each, then prefill chunks) and hands each attention module the step's `AttentionMetadata`.
@@ -7,8 +7,10 @@ K/V into the preallocated paged cache and attends:
 - decode rows: one batched call of the Triton kernel (app/model/kernels/attention.py) on CUDA, which reads each
   K/V token once per group of query heads (no repeat_kv), inside a CUDA graph; its reference on CPU;
 - prefill chunks: per sequence, SDPA over the sequence's cached K/V (causal; bottom-right aligned when
-  earlier chunks are cached, see `_prefill_one`).
-Registering a name that has no mask function makes transformers skip its own mask building.
+  earlier chunks are cached, see `_prefill_one`), or all at once through varlen flash attention on CUDA.
+Registering a name that has no mask function makes transformers skip its own mask building, so every path
+applies what the architecture declares (app/model/architectures.py) for each layer itself: its sliding window
+and its score soft-capping.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
-from app.model.kernels import attention as kernels
 from app.engine.kv_blocks import blocks_for
+from app.model.architectures import Architecture, head_dim
+from app.model.kernels import attention as kernels
 
 ATTENTION_NAME = "lora_serve_paged"
 # Not cuDNN, which torch prefers on Hopper: it builds a plan for every new sequence length, and every
@@ -66,11 +69,7 @@ class PagedKVCache:
     def for_model(cls, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
                   device: torch.device) -> PagedKVCache:
         return cls(model_config.num_hidden_layers, num_blocks, block_size, model_config.num_key_value_heads,
-                   _head_dim(model_config), dtype, device)
-
-
-def _head_dim(model_config) -> int:
-    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+                   head_dim(model_config), dtype, device)
 
 
 def kv_cache_blocks(config, model_config, dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
@@ -78,7 +77,7 @@ def kv_cache_blocks(config, model_config, dtype: torch.dtype, device: torch.devi
     now (CPU: max_total_tokens); never more than every row at the model's full length can use (a small model
     on a big GPU would otherwise take tens of GB and millions of blocks for nothing). Block 0 is scratch."""
     per_block = PagedKVCache.bytes_per_block(model_config.num_hidden_layers, config.block_size,
-                                             model_config.num_key_value_heads, _head_dim(model_config), dtype)
+                                             model_config.num_key_value_heads, head_dim(model_config), dtype)
     useful = 1 + config.max_batch_size * blocks_for(max_model_len, config.block_size)
     if config.kv_cache_bytes is not None:
         nbytes = config.kv_cache_bytes
@@ -102,10 +101,15 @@ class AttentionState:
 
 
 @torch.compiler.disable  # opaque to torch.compile: Triton kernels and per-step metadata, run as they are
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                    softcap=None, **kwargs):
     """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
     state: AttentionState = module.paged_state
     meta, layer = state.meta, module.layer_idx
+    window, cap = module.paged_window, module.paged_softcap
+    if (sliding_window, softcap) != (window, cap):  # a wrong declaration would serve other attention: stop
+        raise RuntimeError(f"layer {layer}: transformers asks for sliding_window={sliding_window}, "
+                           f"softcap={softcap}; the architecture declares {window}, {cap}")
     k_cache, v_cache = state.cache.k[layer], state.cache.v[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
     _, kv_heads, head_dim = k_cache.shape[1:]
@@ -116,70 +120,80 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if nd:
         if meta.use_kernel:
             kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                           scaling, out=out[:nd], workspace=meta.decode_workspace)
+                                           scaling, out=out[:nd], workspace=meta.decode_workspace, window=window,
+                                           softcap=cap)
         else:
             out[:nd] = kernels.paged_decode_reference(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, scaling)
+                                                      meta.decode_context_lens, scaling, window, cap)
     if meta.prefill_kv_rows is not None:
-        out[nd:] = _prefill_varlen(q[nd:], k_cache, v_cache, meta, scaling)
+        out[nd:] = _prefill_varlen(q[nd:], k_cache, v_cache, meta, scaling, window)
         return out.unsqueeze(0), None
     starts = meta.prefill_query_starts
     with sdpa_kernel(PREFILL_BACKENDS):
         for i, length in enumerate(meta.prefill_context_lens):
             first, last = nd + starts[i], nd + starts[i + 1]
-            out[first:last] = _prefill_one(q[first:last], k_cache, v_cache, meta.prefill_blocks[i], length, scaling)
+            out[first:last] = _prefill_one(q[first:last], k_cache, v_cache, meta.prefill_blocks[i], length, scaling,
+                                           window, cap)
     return out.unsqueeze(0), None
 
 
-def _prefill_one(q, k_cache, v_cache, blocks, length, scale):
+def _prefill_one(q, k_cache, v_cache, blocks, length, scale, window=None, softcap=None):
     """One sequence's chunk of n queries, the last n of its `length` cached tokens: [n, H, D].
 
     SDPA's fused kernels take only 4-D inputs. With no cached prefix the causal flash kernel runs with
     `enable_gqa` (K/V read once per group). A later chunk needs a bottom-right mask, which flash does not
     take and the memory-efficient kernel takes only without `enable_gqa`, so there K/V are repeated per
-    query head for this one sequence (a copy of its context, small beside the chunk's GEMMs).
+    query head for this one sequence (a copy of its context, small beside the chunk's GEMMs); so does a
+    sliding window. SDPA cannot cap scores: soft-capped layers run kernels.attend in fp32.
     """
     n = q.shape[0]
     k = k_cache[blocks].flatten(0, 1)[:length].transpose(0, 1)[None]  # [1, Hkv, L, D]
     v = v_cache[blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
     q = q.transpose(0, 1)[None]  # [1, H, n, D]
-    if n == length:
+    if softcap is not None:
+        mask = kernels.window_mask(length, n, window, q.device)
+        o = kernels.attend(q[0], k[0], v[0], scale, mask, softcap)[None]
+    elif n == length and window is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         group = q.shape[1] // k.shape[1]
-        keys = torch.arange(length, device=q.device)
-        mask = keys[None, :] <= keys[length - n:, None]  # bottom-right causal
+        mask = kernels.window_mask(length, n, window, q.device)  # bottom-right causal
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                            attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
 
 
 def _varlen_call():
-    """torch's varlen flash attention (torch.nn.attention.varlen) as f(q, k, v, cu_q, cu_k, max_q, max_k, scale),
-    or None where this torch has none. Its signature changed across releases: later ones take
-    `window_size` and `scale` (and later `enable_gqa`); the first took `is_causal` and the default scale only."""
+    """torch's varlen flash attention (torch.nn.attention.varlen) as
+    f(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None), and whether it takes a window; None where this
+    torch has none. Its signature changed across releases: later ones take `window_size` and `scale` (and later
+    `enable_gqa`); the first took `is_causal` and the default scale only."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
+        return None, False
     params = inspect.signature(varlen_attn).parameters
     if "window_size" in params:  # flash takes fewer K/V heads natively; later releases ask for enable_gqa
         gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
-        return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: varlen_attn(
-            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **gqa)
+        # flash's left window counts the keys before the query's own: `window` tokens in all, as transformers'.
+        return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None: varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+            window_size=(-1 if window is None else window - 1, 0), **gqa), True
     if "is_causal" in params:
-        def call(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        def call(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):
             if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-6:
                 raise NotImplementedError("this torch's varlen_attn takes the default scale only")
+            if window is not None:
+                raise NotImplementedError("this torch's varlen_attn takes no sliding window")
             return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
-        return call
-    return None
+        return call, False
+    return None, False
 
 
-VARLEN = _varlen_call()
+VARLEN, VARLEN_WINDOWS = _varlen_call()
 
 
-def _prefill_varlen(q, k_cache, v_cache, meta: AttentionMetadata, scale):
+def _prefill_varlen(q, k_cache, v_cache, meta: AttentionMetadata, scale, window):
     """Every prefill chunk of the step in one flash call: q [Tp, H, D] -> [Tp, H, D]. Each chunk's context
     (earlier chunks included) is gathered from the paged cache into one packed K/V; flash's causal mask is
     aligned bottom-right when a chunk's queries are the last of a longer context, and it reads each K/V
@@ -189,16 +203,33 @@ def _prefill_varlen(q, k_cache, v_cache, meta: AttentionMetadata, scale):
     v = v_cache.view(-1, kv_heads, head_dim).index_select(0, meta.prefill_kv_rows)
     starts, lens = meta.prefill_query_starts, meta.prefill_context_lens
     max_q = max(b - a for a, b in zip(starts, starts[1:]))
-    return VARLEN(q, k, v, meta.prefill_cu_q, meta.prefill_cu_k, max_q, max(lens), scale)
+    args = (q, k, v, meta.prefill_cu_q, meta.prefill_cu_k, max_q, max(lens), scale)
+    return VARLEN(*args) if window is None else VARLEN(*args, window)
 
 
 def kernel_supports(head_dim: int, device: torch.device) -> bool:
     return device.type == "cuda" and kernels.triton is not None and head_dim in (64, 128)
 
 
-def install(model, state: AttentionState) -> None:
-    """Point every attention module of `model` at `state` and switch the model to paged attention."""
+def varlen_supports(arch: Architecture, model_config) -> bool:
+    """Whether this torch's varlen flash computes every layer's prefill exactly: it caps no scores, and only
+    later releases take a window."""
+    if VARLEN is None or arch.attention_softcap(model_config) is not None:
+        return False
+    return VARLEN_WINDOWS or all(window is None for window in arch.windows(model_config))
+
+
+def install(model, state: AttentionState, arch: Architecture) -> None:
+    """Point every attention module of `model` at `state`, with its layer's window and soft-cap as `arch`
+    declares them, and switch the model to paged attention."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
-    for layer in model.model.layers:
+    config = model.config
+    layers = model.get_submodule(arch.layers)
+    windows = arch.windows(config)
+    if len(windows) != len(layers):
+        raise RuntimeError(f"{arch.name}: {len(windows)} layer windows for {len(layers)} layers")
+    for layer, window in zip(layers, windows):
         layer.self_attn.paged_state = state
-    model.config._attn_implementation = ATTENTION_NAME
+        layer.self_attn.paged_window = window
+        layer.self_attn.paged_softcap = arch.attention_softcap(config)
+    config._attn_implementation = ATTENTION_NAME

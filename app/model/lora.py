@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from app.model.architectures import UnsupportedModel, check_supported
 from app.model.kernels import lora as kernels
 from prefetch.layout import PageLayout
 
@@ -124,10 +125,6 @@ class LoRAContext:
         return y
 
 
-# Sibling linears of transformers' decoders that read the same input, in the order the model calls them.
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 class LinearGroup:
     """Linears that read the same input, run as one: one GEMM over their concatenated weights (as vLLM's
     fused QKV and gate/up projections), then one LoRA shrink and one expand launch for the members that
@@ -213,7 +210,8 @@ class LoRASlots:
         self.ctx = LoRAContext(num_slots, len(layout.modules), layout.max_pages, use_kernel, self.device, workspace)
         # Graphs capture pointers into this pool; loads write into it on the copy stream, ordered by events.
         self.pool = torch.zeros(num_pages, layout.page_numel, dtype=self.dtype, device=self.device)
-        self.groups = wrap_targets(model, layout, layout.module_views(self.pool), self.ctx)
+        self.groups = wrap_targets(model, layout, layout.module_views(self.pool), self.ctx,
+                                   check_supported(model.config).fused)
         log.info("adapter pool: %.2f GB in %d pages of %d rank rows (%.1f MB each): %d adapters at max_rank %d, "
                  "up to %d resident", self.nbytes() / 1e9, num_pages, layout.page_rows,
                  layout.page_nbytes(self.dtype) / 1e6, num_pages // layout.max_pages, layout.max_rank, num_slots)
@@ -232,9 +230,10 @@ class LoRASlots:
         self.ctx.slot_ranks[slot].fill_(min(rank, len(pages) * self.layout.page_rows))
 
 
-def wrap_targets(model: nn.Module, layout: PageLayout, views, ctx: LoRAContext) -> list[LinearGroup]:
-    """Wrap every target linear of `model` in a LoRALinear; siblings that read the same input (SIBLINGS) share
-    one LinearGroup, whether the adapters target all of them or some."""
+def wrap_targets(model: nn.Module, layout: PageLayout, views, ctx: LoRAContext,
+                 fused: tuple[tuple[str, ...], ...]) -> list[LinearGroup]:
+    """Wrap every target linear of `model` in a LoRALinear; siblings that read the same input (`fused`, from the
+    architecture's declaration) share one LinearGroup, whether the adapters target all of them or some."""
     targets: dict[str, dict[str, tuple[int, torch.Tensor, torch.Tensor]]] = {}  # parent -> child -> lora
     for index, (module, (A, BT)) in enumerate(zip(layout.modules, views)):
         parent_name, _, child = module.rpartition(".")
@@ -242,8 +241,10 @@ def wrap_targets(model: nn.Module, layout: PageLayout, views, ctx: LoRAContext) 
     groups = []
     for parent_name, children in targets.items():
         parent = model.get_submodule(parent_name)
+        for name in children:
+            _check_linear(parent_name, name, getattr(parent, name, None), layout.shapes[f"{parent_name}.{name}"])
         left = dict(children)
-        for names in SIBLINGS:
+        for names in fused:
             linears = [getattr(parent, name, None) for name in names]
             if not any(name in left for name in names) or not _fusable(linears):
                 continue
@@ -252,6 +253,17 @@ def wrap_targets(model: nn.Module, layout: PageLayout, views, ctx: LoRAContext) 
         for name, entry in left.items():
             groups.append(_install(parent, (name,), [getattr(parent, name)], {0: entry}, ctx))
     return groups
+
+
+def _check_linear(parent_name: str, name: str, linear, shape: tuple[int, int]) -> None:
+    """The LoRA layers compute F.linear over the module's weight: anything else (a quantized or custom linear, a
+    missing module) would be served wrong, so it is refused by name."""
+    if type(linear) is not nn.Linear:
+        raise UnsupportedModel(f"{parent_name}.{name} is {type(linear).__name__}, not torch.nn.Linear; "
+                               "LoRA is served on plain linears only")
+    if (linear.in_features, linear.out_features) != tuple(shape):
+        raise UnsupportedModel(f"{parent_name}.{name} is [{linear.in_features} -> {linear.out_features}], "
+                               f"but its architecture declares {list(shape)}")
 
 
 def _fusable(linears) -> bool:

@@ -13,8 +13,10 @@ Decode semantics (the loop the kernel replaces):
         keys   = stack(k_cache[block_tables[b, j // bs], j % bs] for j in range(L))  # [L, Hkv, D]
         values = likewise from v_cache
         for h in range(H):
-            p = softmax(scale * q[b, h] @ keys[:, h // G].T)
-            out[b, h] = p @ values[:, h // G]
+            s = scale * q[b, h] @ keys[:, h // G].T
+            if softcap: s = softcap * tanh(s / softcap)
+            if window: s[: L - window] = -inf  # the last `window` tokens only, the new one included
+            out[b, h] = softmax(s) @ values[:, h // G]
 
 The Triton kernel (flash-decoding split-K): one program per (row, kv head, kv split) loads the G query heads of
 its group as one tile, so every K/V token is read once per kv head; a small kernel merges the splits by their
@@ -58,9 +60,36 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     return cache[blocks].flatten(0, 1)[:length].transpose(0, 1)
 
 
+def window_mask(length: int, n: int, window: int | None, device) -> torch.Tensor:
+    """[n, length] bool: query t, token length - n + t of its sequence, sees token j when j <= length - n + t
+    (causal, bottom-right aligned) and, with a window, j > length - n + t - window (the last `window` tokens,
+    its own included: transformers' sliding_window_overlay)."""
+    keys = torch.arange(length, device=device)
+    queries = torch.arange(length - n, length, device=device)[:, None]
+    mask = keys[None, :] <= queries
+    if window is not None:
+        mask &= keys[None, :] > queries - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+           softcap: float | None = None) -> torch.Tensor:
+    """q [H, n, D], k/v [Hkv, L, D] (GQA), mask [n, L] bool or None -> [H, n, D] in q's dtype: softmax of the
+    scores, tanh-capped at `softcap` first when given (as transformers' eager Gemma 2 attention), over v."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[0] // k.shape[0]
+    scores = (q.float() @ k.float().repeat_interleave(group, 0).transpose(1, 2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float().repeat_interleave(group, 0)).to(q.dtype)
+
+
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The module docstring's loop, one SDPA call per row (host loop: syncs; never inside a CUDA graph).
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The module docstring's loop, one attention call per row (host loop: syncs; never inside a CUDA graph).
 
     q [B, H, D]; returns [B, H, D] in q's dtype, computed in fp32.
     """
@@ -70,20 +99,22 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             continue
         k = _gather_kv(k_cache, block_tables[b], length).float()  # [Hkv, L, D]
         v = _gather_kv(v_cache, block_tables[b], length).float()
-        o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True)
+        if window is not None:
+            k, v = k[:, -window:], v[:, -window:]
+        o = attend(q[b].float().unsqueeze(1), k, v, scale, None, softcap)
         out[b] = o.squeeze(1).to(q.dtype)
     return out
 
 
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Chunked prefill over several sequences (varlen), their new tokens already written into the cache.
 
     q [T, H, D]: sequence i's queries are q[query_starts[i]:query_starts[i+1]] (query_starts [S+1]) and are its
     last context_lens[i] - (earlier tokens) cached tokens. Each query attends to every earlier cached token and
-    causally to the new ones: query t of n attends to keys j <= context_lens[i] - n + t (bottom-right aligned).
-    Returns [T, H, D] in q's dtype, computed in fp32.
+    causally to the new ones: query t of n attends to keys j <= context_lens[i] - n + t (bottom-right aligned),
+    and with a window only to the last `window` of those. Returns [T, H, D] in q's dtype, computed in fp32.
     """
     out = torch.zeros_like(q)
     starts = query_starts.tolist()
@@ -96,11 +127,8 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"sequence {i} has {n} queries but only {length} cached tokens")
         k = _gather_kv(k_cache, block_tables[i], length).float()  # [Hkv, L, D]
         v = _gather_kv(v_cache, block_tables[i], length).float()
-        key_pos = torch.arange(length, device=q.device)
-        query_pos = torch.arange(length - n, length, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L], bottom-right causal
-        o = F.scaled_dot_product_attention(q[first:last].float().transpose(0, 1), k, v, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)  # [H, n, D]
+        mask = window_mask(length, n, window, q.device)
+        o = attend(q[first:last].float().transpose(0, 1), k, v, scale, mask, softcap)  # [H, n, D]
         out[first:last] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -181,6 +209,7 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, out):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None, *,
+                           window: int | None = None, softcap: float | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """The module docstring's loop on CUDA, no host syncs; returns out [B, H, D] (q's dtype).
 
@@ -205,16 +234,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_n = max(128 if tokens_per_split >= _LONG_SPLIT_TOKENS else 64, block_size)
     split = num_splits > 1
     partial, lse = workspace.partial_out, workspace.partial_lse
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial if split else out, lse, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, partial if split else out, lse,
+        scale if softcap else scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         block_tables.shape[1] * block_size, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLIT_OUT=split, NUM_STAGES=num_stages,
-        num_warps=num_warps)
+        BLOCK_N=block_n, SPLIT_OUT=split, NUM_STAGES=num_stages, HAS_WINDOW=window is not None,
+        SOFTCAP=float(softcap or 0.0), num_warps=num_warps)
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
@@ -225,22 +259,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 if triton is not None:
+    _LOG2E_K = tl.constexpr(_LOG2E)
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr, qk_scale,
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr, qk_scale, window,
                              stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                              stride_btb, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                              stride_lb, stride_lh, max_len, num_splits,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_OUT: tl.constexpr,
-                             NUM_STAGES: tl.constexpr):
+                             NUM_STAGES: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.minimum(tl.load(lens_ptr + row), max_len)  # clamp: a bad length must not read past the table
-        # Splits share the row's length evenly, in whole tiles; trailing splits may be empty.
-        chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-        start = split * chunk
+        if HAS_WINDOW:  # the row's last `window` tokens
+            first = tl.maximum(length - window, 0)
+        else:
+            first = 0
+        # Splits share the row's attended tokens evenly, in whole tiles; trailing splits may be empty.
+        chunk = tl.cdiv(tl.cdiv(length - first, num_splits), BLOCK_N) * BLOCK_N
+        start = first + split * chunk
         end = tl.minimum(start + chunk, length)
 
         g = tl.arange(0, GROUP_PAD)
@@ -260,7 +299,9 @@ if triton is not None:
             slot = n % BLOCK_SIZE
             k = tl.load(k_ptr + (block * stride_kb + slot * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
                         mask=is_token[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units (without SOFTCAP)
+            if SOFTCAP > 0:  # SOFTCAP * tanh(s / SOFTCAP), tanh(x) = 2 sigmoid(2x) - 1, then log2 units
+                s = (SOFTCAP * _LOG2E_K) * (2.0 * tl.sigmoid(s * (2.0 / SOFTCAP)) - 1.0)
             s = tl.where(is_token[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile holds at least one token
             alpha = tl.exp2(m - m_new)

@@ -35,12 +35,14 @@ def test_pinned_bytes_are_the_accounted_bytes(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_arena_is_pinned_outside_the_caching_allocator():
-    stats = torch.cuda.host_memory_stats if hasattr(torch.cuda, "host_memory_stats") else None
-    before = stats()["reserved_bytes.current"] if stats else None
+    def host_bytes():  # the caching host allocator's current byte counts (their names vary across torch versions)
+        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        return {k: v for k, v in stats.items() if "bytes" in k and k.endswith(".current")}
+
+    before = host_bytes()
     arena = HostArena(3, 1_000_000, torch.bfloat16, pin=True)  # 6 MB: the caching allocator would take 8 MB
     assert arena.buffer.is_pinned() and arena.pinned_bytes == 6_000_000
-    if stats:
-        assert stats()["reserved_bytes.current"] == before, "the arena went through the caching host allocator"
+    assert host_bytes() == before, "the arena went through the caching host allocator"
     device = torch.empty(1_000_000, dtype=torch.bfloat16, device="cuda")
     device.copy_(arena.views([1])[0].fill_(3), non_blocking=True)
     torch.cuda.synchronize()

@@ -28,6 +28,12 @@ class InvalidRequest(ServingError):
     code = "invalid_request"
 
 
+class SchemaViolation(InvalidRequest):
+    """A body that parses but breaks the schema (a wrong type, a value out of range): FastAPI's 422."""
+
+    status_code = 422
+
+
 class UnsupportedField(InvalidRequest):
     """A request field this server does not implement: refused, never ignored."""
 

@@ -8,9 +8,9 @@ from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
 from deploy.args import DEMO_DIR, AppArgs
 from deploy.ingress import Ingress
-from deploy.replica import STATE_ACTOR, LoRAReplica
+from deploy.replica import LoRAReplica
 from deploy.router import AdapterAffinityRouter
-from deploy.state import RouterState
+from deploy.state import REPLICA_DEPLOYMENT, STATE_ACTOR, RouterState
 
 # Serve runs user code, and a caller's request router, on event loops of their own threads by
 # default: every request, routing decision and streamed chunk then crosses threads (and the GIL)
@@ -33,7 +33,7 @@ def replica_options(args: AppArgs) -> dict:
     has_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
     wants_gpu = args.device.startswith("cuda") or (args.device == "auto" and has_gpu)
     options = {
-        "name": "LoRAReplica",
+        "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": args.max_ongoing_requests or 2 * args.max_batch_size,
         "ray_actor_options": {**({"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5}),
                               "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},

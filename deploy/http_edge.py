@@ -8,17 +8,16 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import TaskCancelledError
 from starlette.datastructures import Headers
 
+from app.api.wire import ErrorReply
 from app.errors import BodyTooLarge, ServingError, Unauthorized
 from deploy import metrics
 
 
-def error_response(error: ServingError | dict, status: int | None = None) -> JSONResponse:
-    if isinstance(error, ServingError):
-        body, status, retry = error.to_openai(), error.status_code, error.retry_after_s
-    else:
-        body, status, retry = {"error": error["error"]}, error["status"], error.get("retry_after_s")
-    headers = {"Retry-After": str(max(1, round(retry)))} if retry else None
-    return JSONResponse(body, status_code=status, headers=headers)
+def error_response(error: ServingError | ErrorReply) -> JSONResponse:
+    """Raised here, or sent by a replica: the OpenAI body, with Retry-After where the error gives one."""
+    reply = error if isinstance(error, ErrorReply) else ErrorReply.of(error)
+    headers = {"Retry-After": str(max(1, round(reply.retry_after_s)))} if reply.retry_after_s else None
+    return JSONResponse(reply.body, status_code=reply.status, headers=headers)
 
 
 class RequestGuard:
@@ -41,8 +40,9 @@ class RequestGuard:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._buffer_body(receive)
         except ServingError as e:
-            metrics.requests().inc(tags={"route": scope["path"], "status": str(e.status_code)})
-            return await error_response(e)(scope, receive, send)
+            response = error_response(e)
+            metrics.requests().inc(tags={"route": scope["path"], "status": str(response.status_code)})
+            return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
     def _check_headers(self, scope) -> None:

@@ -7,29 +7,29 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
 from http import HTTPStatus
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
-from app.api import schemas as api
-
-from app.api import responses
-from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
-                        InternalError, InvalidRequest, ModelNotFound, ServingError)
 from app.adapters.registry import AdapterRegistry, validate_adapter_id
+from app.api import responses
+from app.api import schemas as api
+from app.api.wire import ErrorReply, GenerateCall
+from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
+                        InternalError, InvalidRequest, ModelNotFound, SchemaViolation, ServingError)
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.haproxy import HAPROXY_ENV
 from deploy.http_edge import RequestGuard, error_response
+from deploy.state import find_router_state
 
 log = logging.getLogger("ray.serve")
 REPLICA_DEATH_RETRIES = 1
@@ -45,10 +45,9 @@ async def _invalid_body(request: Request, exc: RequestValidationError):
     errors = exc.errors()
     malformed = any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors)
     detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
-    error = InvalidRequest(f"malformed request body: {detail}" if malformed else f"invalid request: {detail}")
-    metrics.requests().inc(tags={"route": request.url.path, "status": str(400 if malformed else 422)})
-    return error_response(error, 400 if malformed else 422) if malformed else JSONResponse(
-        error.to_openai(), status_code=422)
+    error = InvalidRequest(f"malformed request body: {detail}") if malformed else SchemaViolation(
+        f"invalid request: {detail}")
+    return _serving_error_response(request, error)
 
 
 @fastapi_app.exception_handler(HTTPException)
@@ -63,8 +62,13 @@ async def _http_error(request: Request, exc: HTTPException):
 
 @fastapi_app.exception_handler(ServingError)
 async def _serving_error(request: Request, exc: ServingError):
-    metrics.requests().inc(tags={"route": request.url.path, "status": str(exc.status_code)})
-    return error_response(exc)
+    return _serving_error_response(request, exc)
+
+
+def _serving_error_response(request: Request, error: ServingError) -> JSONResponse:
+    response = error_response(error)
+    metrics.requests().inc(tags={"route": request.url.path, "status": str(response.status_code)})
+    return response
 
 
 @fastapi_app.exception_handler(Exception)
@@ -88,7 +92,9 @@ class Ingress:
         self.validator = AdapterRegistry(self.args.adapter_roots, base_config, self.args.max_rank,
                                          self.args.max_adapter_bytes)
         self.adapters: dict[str, str] = self.args.initial_adapters()  # refreshed from the router actor
-        self.app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        self.app_name, self.code_version = context.app_name, context.code_version
+        self._router_state: ActorHandle | None = None
         self.in_flight = 0
         # Registered on the shared app object, hence here with the args rather than at import.
         fastapi_app.add_middleware(RequestGuard, api_key=self.args.api_key, max_body_bytes=self.args.max_body_bytes)
@@ -98,18 +104,21 @@ class Ingress:
 
     # --- models and adapters --------------------------------------------------------------------
 
-    def _state(self):
-        prefix = f"SERVE_DEPLOYMENT_ACTOR::{self.app_name}::LoRAReplica::"
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == "serve" and a["name"].startswith(prefix) and a["name"].endswith("::router_state")]
-        if not names:
-            raise EngineUnavailable("the router actor is not available; retry shortly", retry_after_s=1)
-        return ray.get_actor(sorted(names)[-1], namespace="serve")
+    async def _state(self) -> ActorHandle:
+        """The router actor, looked up again after a call to it fails (Serve recreates it)."""
+        if self._router_state is None:
+            try:
+                self._router_state = await asyncio.to_thread(find_router_state, self.app_name, self.code_version)
+            except ValueError as e:
+                raise EngineUnavailable("the router actor is not available; retry shortly", retry_after_s=1) from e
+        return self._router_state
 
     async def _call_state(self, method: str, *args):
+        actor = await self._state()
         try:
-            return await asyncio.wait_for(getattr(self._state(), method).remote(*args), timeout=10)
+            return await asyncio.wait_for(getattr(actor, method).remote(*args), timeout=10)
         except (RayActorError, ValueError, asyncio.TimeoutError) as e:
+            self._router_state = None
             raise EngineUnavailable(f"the router actor is restarting ({type(e).__name__}); retry shortly",
                                     retry_after_s=1) from e
 
@@ -264,8 +273,8 @@ class Ingress:
         adapter_id = await self._resolve_model(body.model)
         generation = body.generation(self.args.default_max_tokens)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
-        payload = {"prompts": prompts, "n": generation.n, "adapter_id": adapter_id,
-                   "params": asdict(generation.params), "request_id": request_id}
+        call = GenerateCall(prompts=prompts, params=generation.params, n=generation.n, adapter_id=adapter_id,
+                            request_id=request_id)
         choices = self._choices(generation, prompts, chat, echo)
         handle = self.stream_handle if body.stream else self.call_handle
         if self.args.router == "adapter_affinity":
@@ -274,30 +283,30 @@ class Ingress:
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
             try:
                 if body.stream:
-                    stream = handle.remote(payload)
+                    stream = handle.remote(call)
                     first = await stream.__anext__()
-                    if "error" in first:
-                        metrics.requests().inc(tags={"route": route, "status": str(first["status"])})
+                    if isinstance(first, ErrorReply):
+                        metrics.requests().inc(tags={"route": route, "status": str(first.status)})
                         return error_response(first)
                     metrics.ttft().observe(time.perf_counter() - started, tags={"model": body.model})
                     return StreamingResponse(self._sse(body, chat, request_id, choices, first, stream, route),
                                              media_type="text/event-stream",
-                                             headers={"x-replica-id": first["replica"]})
-                result = await handle.remote(payload)
+                                             headers={"x-replica-id": first.replica})
+                result = await handle.remote(call)
                 break
             except RayActorError as e:
                 # The client has seen nothing yet, so another replica may serve the request afresh.
                 if attempt == REPLICA_DEATH_RETRIES:
                     raise EngineUnavailable(f"the replica serving this request died: {e}", retry_after_s=1) from e
                 log.warning("replica died before answering %s; retrying on another replica", request_id)
-        if "error" in result:
-            metrics.requests().inc(tags={"route": route, "status": str(result["status"])})
+        if isinstance(result, ErrorReply):
+            metrics.requests().inc(tags={"route": route, "status": str(result.status)})
             return error_response(result)
         metrics.requests().inc(tags={"route": route, "status": "200"})
-        merged = result["choices"]
-        content = responses.body(request_id, body.model, chat, [choices[c["index"]].body(c) for c in merged],
+        merged = result.choices
+        content = responses.body(request_id, body.model, chat, [choices[c.index].body(c) for c in merged],
                                  responses.total_usage(merged, generation.n))
-        return JSONResponse(content, headers={"x-replica-id": result["replica"]})
+        return JSONResponse(content, headers={"x-replica-id": result.replica})
 
     async def _sse(self, body, chat, request_id, choices, first, stream, route):
         last_at, status = time.perf_counter(), "200"
@@ -309,15 +318,15 @@ class Ingress:
         chunk, finished = first, {}
         try:
             while True:
-                if "error" in chunk:
-                    status = str(chunk["status"])
-                    yield _event({"error": chunk["error"]})
+                if isinstance(chunk, ErrorReply):
+                    status = str(chunk.status)
+                    yield _event(chunk.body)
                     break
-                delta = choices[chunk["index"]].delta(chunk)
+                delta = choices[chunk.index].delta(chunk)
                 if delta is not None:
                     yield _event(responses.chunk(request_id, body.model, chat, [delta]))
-                if chunk["finish_reason"]:
-                    finished[chunk["index"]] = chunk
+                if chunk.finish_reason:
+                    finished[chunk.index] = chunk
                 if len(finished) == len(choices):
                     if body.include_usage:
                         yield _event(responses.chunk(request_id, body.model, chat, [], responses.total_usage(
@@ -331,8 +340,9 @@ class Ingress:
                 metrics.itl().observe(now - last_at, tags={"model": body.model})
                 last_at = now
         except RayActorError as e:
-            status = "503"
-            yield _event(EngineUnavailable(f"the replica serving this stream died: {e}").to_openai())
+            died = ErrorReply.of(EngineUnavailable(f"the replica serving this stream died: {e}"))
+            status = str(died.status)
+            yield _event(died.body)
         finally:
             self.in_flight -= 1
             stream.cancel()  # the client may be gone: free the row and slot pin on the replica

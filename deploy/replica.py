@@ -6,24 +6,24 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import AsyncIterator
 from operator import methodcaller
 
-import ray
 from ray import serve
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
-from ray.serve._private.utils import get_deployment_actor_name
 
+from app.api.fanout import generate_choices, merge_chunks, output_chunk
+from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
 from app.engine.async_engine import AsyncEngine
 from app.engine.process import DiscardResult, EngineProcess
 from app.engine.engine import LLMEngine
 from app.errors import AdapterError, InternalError, ServingError
-from app.api.fanout import generate_choices, merge_chunks, output_chunk
-from app.sampling.params import SamplingParams
 from deploy import metrics
 from deploy.args import AppArgs
+from deploy.state import find_router_state
 
 log = logging.getLogger("ray.serve")
-STATE_ACTOR = "router_state"
 POLL_TIMEOUT_S = 0.5
 ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
 HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk"}
@@ -38,8 +38,8 @@ class LoRAReplica:
         self.args = AppArgs(**args)
         context = serve.get_replica_context()
         self.uid = context.replica_id.unique_id
-        self.state_actor_name = get_deployment_actor_name(
-            context.replica_id.deployment_id, STATE_ACTOR, code_version=context.code_version)
+        self.app_name, self.code_version = context.app_name, context.code_version
+        self._router_state: ActorHandle | None = None
         config = self.args.engine_config()
         if self.args.engine_in_process():  # the engine loop in its own process: no GIL shared with this event loop
             self.engine = await asyncio.to_thread(EngineProcess, config)
@@ -67,36 +67,30 @@ class LoRAReplica:
 
     # --- requests (called by the ingress) -------------------------------------------------------
 
-    async def generate(self, body: dict) -> dict:
-        """Whole completion: {"choices": one merged chunk per choice, "replica"} or {"error"}."""
+    async def generate(self, call: GenerateCall) -> GenerateResult | ErrorReply:
+        """The whole completion, one merged chunk per choice, or the error."""
         chunks = []
-        async for chunk in self.stream(body):
-            if "error" in chunk:
+        async for chunk in self.stream(call):
+            if isinstance(chunk, ErrorReply):
                 return chunk
             chunks.append(chunk)
-        return {"choices": merge_chunks(chunks), "replica": self.uid}
+        return GenerateResult(merge_chunks(chunks), self.uid)
 
-    async def stream(self, body: dict):
-        """Yields each choice's chunks (app/api/fanout.py's output_chunk, with "replica"), or one {"error"}."""
+    async def stream(self, call: GenerateCall) -> AsyncIterator[ChoiceChunk | ErrorReply]:
+        """Each choice's chunks as they come, or one ErrorReply (then nothing more)."""
         try:
-            params = SamplingParams(**body["params"])
-            adapter_id = body.get("adapter_id")
-            if adapter_id is not None and adapter_id not in self.adapters:
-                await self._adopt(adapter_id)  # registered moments ago, not yet synced here
-            async for index, output in generate_choices(self.engine, body["prompts"], adapter_id, params,
-                                                        body.get("n", 1), body.get("request_id"), _hint_id()):
-                yield {**output_chunk(index, output), "replica": self.uid}
+            if call.adapter_id is not None and call.adapter_id not in self.adapters:
+                await self._adopt(call.adapter_id)  # registered moments ago, not yet synced here
+            async for index, output in generate_choices(self.engine, call.prompts, call.adapter_id, call.params,
+                                                        call.n, call.request_id, _hint_id()):
+                yield output_chunk(index, output, self.uid)
         except Exception as e:
             if not isinstance(e, ServingError):  # a bug, not the client's fault: keep serving
-                log.exception("request %s failed", body.get("request_id"))
+                log.exception("request %s failed", call.request_id)
                 e = InternalError(f"internal error: {type(e).__name__}")
-            yield {"error": e.to_openai()["error"], "status": e.status_code, "retry_after_s": e.retry_after_s,
-                   "replica": self.uid}
+            yield ErrorReply.of(e)
 
     # --- what the router and the controller see -------------------------------------------------
-
-    def record_replica_metadata(self) -> dict:
-        return {"state_actor": self.state_actor_name, "uid": self.uid}
 
     async def record_routing_stats(self) -> dict:
         return await self.engine.call(methodcaller("routing_stats"))
@@ -135,21 +129,24 @@ class LoRAReplica:
 
     async def _adopt(self, adapter_id: str) -> None:
         try:
-            snapshot = await self._state().adapters_snapshot.remote()
+            snapshot = await (await self._state()).adapters_snapshot.remote()
         except Exception:
             return  # the engine answers with its own AdapterNotFound
         if adapter_id in snapshot["adapters"]:
             await self._sync_adapters({**self.adapters, adapter_id: snapshot["adapters"][adapter_id]})
 
-    def _state(self):
-        return ray.get_actor(self.state_actor_name, namespace="serve")
+    async def _state(self) -> ActorHandle:
+        """The router actor, looked up again after _sync_loop drops a dead one (Serve recreates it)."""
+        if self._router_state is None:
+            self._router_state = await asyncio.to_thread(find_router_state, self.app_name, self.code_version,
+                                                           own_version_only=True)
+        return self._router_state
 
     async def _sync_loop(self) -> None:
         """Report stats, take hints and registry changes from the router actor, export metrics."""
-        actor = None
         while True:
             try:
-                actor = actor or self._state()
+                actor = await self._state()
                 stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
                 reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
                 if reply["hints"]:
@@ -169,7 +166,7 @@ class LoRAReplica:
                 await self._export_metrics()
             except (RayActorError, ValueError, asyncio.TimeoutError) as e:
                 log.debug("router actor unavailable: %r", e)
-                actor = None
+                self._router_state = None
                 await asyncio.sleep(0.5)
             except Exception:
                 log.exception("replica sync failed")

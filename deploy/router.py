@@ -15,15 +15,15 @@ import logging
 import random
 import time
 
-import ray
+from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from deploy.state import find_router_state
 from prefetch.placement import ReplicaLoad, can_hint, place
 
 log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
 RECENT_S = 2.0  # a replica we just sent an adapter to counts as holding it for this long
-STATE_ACTOR_SUFFIX = "::router_state"
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -61,13 +61,12 @@ class AdapterAffinityRouter(RequestRouter):
             try:
                 if self._actor is None:  # a GCS lookup: kept off the loop that routes requests
                     self._actor = await asyncio.to_thread(self._find_actor)
-                if self._actor is not None:
-                    view = await asyncio.wait_for(self._actor.view.remote(), timeout=1.0)
-                    self._view, self._view_at = view["replicas"], time.monotonic()
-                self._prune(time.monotonic())
+                view = await asyncio.wait_for(self._actor.view.remote(), timeout=1.0)
+                self._view, self._view_at = view["replicas"], time.monotonic()
             except Exception as e:  # actor restarting or gone: fall back until it is back
                 log.debug("router view refresh failed: %r", e)
                 self._actor = None
+            self._prune(time.monotonic())
             await asyncio.sleep(self.view_refresh_s)
 
     def _prune(self, now: float) -> None:
@@ -86,11 +85,8 @@ class AdapterAffinityRouter(RequestRouter):
                 del self._recent[adapter_id]
 
     def _find_actor(self):
-        for replica in self._replicas_list:
-            name = replica.replica_metadata.get("state_actor")
-            if name:
-                return ray.get_actor(name, namespace="serve")
-        return None
+        context = serve.get_replica_context()  # the ingress's: Serve runs this router where the handle is
+        return find_router_state(context.app_name, context.code_version)
 
     def _has_view(self) -> bool:
         return self._actor is not None and time.monotonic() - self._view_at < VIEW_STALE_S

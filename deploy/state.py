@@ -13,7 +13,37 @@ import time
 import uuid
 from collections import Counter, defaultdict
 
+import ray
+from ray.actor import ActorHandle
+
 STALE_S = 5.0  # a replica that has not reported for this long has left the view
+REPLICA_DEPLOYMENT = "LoRAReplica"
+STATE_ACTOR = "router_state"  # its name among the LoRA replica deployment's actors
+SERVE_NAMESPACE = "serve"
+
+
+def find_router_state(app_name: str, code_version: str | None, *, own_version_only: bool = False) -> ActorHandle:
+    """The application's RouterState actor: how the replicas, the ingress and the router all find it.
+
+    Serve's public `serve.get_deployment_actor` finds only actors of the caller's own deployment, and the ingress
+    (with the router that runs inside it) is another deployment. So everyone looks the actor up here by the name
+    Serve gives a deployment actor, "SERVE_DEPLOYMENT_ACTOR::<app>::<deployment>::<code_version>::<name>".
+    Serve keeps one such actor per code version while a rolling update replaces replicas. A replica must use its
+    own version's (own_version_only), as `serve.get_deployment_actor` would give it. The ingress prefers its own
+    version's, which is the replicas' under `serve deploy` (one code version per application) but not under
+    `serve.run`; failing that, the last by name. Raises ValueError while there is none (not started yet, or
+    being recreated), as ray.get_actor does.
+    """
+    prefix, suffix = f"SERVE_DEPLOYMENT_ACTOR::{app_name}::{REPLICA_DEPLOYMENT}::", f"::{STATE_ACTOR}"
+    own = f"{prefix}{code_version}{suffix}"
+    if own_version_only:
+        return ray.get_actor(own, namespace=SERVE_NAMESPACE)
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a.get("namespace") == SERVE_NAMESPACE and a["name"].startswith(prefix)
+                   and a["name"].endswith(suffix))
+    if not names:
+        raise ValueError(f"no {STATE_ACTOR} actor of {app_name}/{REPLICA_DEPLOYMENT} is running")
+    return ray.get_actor(own if own in names else names[-1], namespace=SERVE_NAMESPACE)
 
 
 class RouterState:

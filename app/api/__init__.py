@@ -1,1 +1,2 @@
-"""The OpenAI-compatible API: request schemas, response bodies, and the fan-out of one request's choices."""
+"""The OpenAI-compatible API: request schemas, response bodies, the fan-out of one request's choices, and what the
+ingress and a replica exchange."""

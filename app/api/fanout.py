@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
+from app.api.wire import ChoiceChunk
 from app.engine.async_engine import AsyncEngine
 from app.engine.request import RequestOutput
 from app.sampling.params import SamplingParams
@@ -73,24 +74,26 @@ async def _pump(index: int, stream: AsyncIterator[RequestOutput], merged: asynci
         merged.put_nowait(e)
 
 
-def output_chunk(index: int, output: RequestOutput) -> dict:
-    """A choice's output as the replica sends it to the ingress (app/api/responses.py reads it)."""
-    return {"index": index, "text": output.text, "token_ids": list(output.token_ids),
-            "logprobs": output.logprobs, "prompt_logprobs": output.prompt_logprobs,
-            "finish_reason": output.finish_reason, "prompt_tokens": output.prompt_tokens,
-            "completion_tokens": output.completion_tokens}
+def output_chunk(index: int, output: RequestOutput, replica: str = "") -> ChoiceChunk:
+    """A choice's output as a replica sends it to the ingress (app/api/responses.py reads it)."""
+    return ChoiceChunk(index=index, text=output.text, token_ids=tuple(output.token_ids),
+                       finish_reason=output.finish_reason, prompt_tokens=output.prompt_tokens,
+                       completion_tokens=output.completion_tokens, logprobs=tuple(output.logprobs or ()),
+                       prompt_logprobs=output.prompt_logprobs, replica=replica)
 
 
-def merge_chunks(chunks: Sequence[dict]) -> list[dict]:
+def merge_chunks(chunks: Sequence[ChoiceChunk]) -> list[ChoiceChunk]:
     """One chunk per choice, in index order, from a whole stream of them."""
-    by_index: dict[int, dict] = {}
+    by_index: dict[int, list[ChoiceChunk]] = {}
     for c in chunks:
-        prev = by_index.get(c["index"])
-        if prev is None:
-            by_index[c["index"]] = dict(c, logprobs=tuple(c["logprobs"] or ()))
-            continue
-        prev.update(text=prev["text"] + c["text"], token_ids=prev["token_ids"] + c["token_ids"],
-                    logprobs=prev["logprobs"] + tuple(c["logprobs"] or ()),
-                    prompt_logprobs=prev["prompt_logprobs"] or c["prompt_logprobs"],
-                    finish_reason=c["finish_reason"], completion_tokens=c["completion_tokens"])
-    return [by_index[i] for i in sorted(by_index)]
+        by_index.setdefault(c.index, []).append(c)
+    return [_merged(by_index[i]) for i in sorted(by_index)]
+
+
+def _merged(parts: list[ChoiceChunk]) -> ChoiceChunk:
+    first, last = parts[0], parts[-1]
+    return replace(first, text="".join(p.text for p in parts),
+                   token_ids=tuple(t for p in parts for t in p.token_ids),
+                   logprobs=tuple(e for p in parts for e in p.logprobs),
+                   prompt_logprobs=next((p.prompt_logprobs for p in parts if p.prompt_logprobs), None),
+                   finish_reason=last.finish_reason, completion_tokens=last.completion_tokens)

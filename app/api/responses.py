@@ -1,8 +1,7 @@
 """OpenAI-compatible response bodies and stream chunks, with logprobs in each route's format.
 
-A replica sends, per choice, chunks {"index", "text", "logprobs", "prompt_logprobs", "finish_reason",
-"prompt_tokens", "completion_tokens"} (app/api/fanout.py); `Choice` turns them into the route's fields, the
-same way for a stream and for a whole response (which is one merged chunk per choice).
+A replica sends each choice's output as ChoiceChunks (app/api/wire.py); `Choice` turns them into the route's
+fields, the same way for a stream and for a whole response (which is one merged chunk per choice).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from app.api.schemas import Generation
+from app.api.wire import ChoiceChunk
 from app.sampling.logprobs import TokenLogprob
 
 
@@ -63,14 +63,14 @@ class Choice:
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
 
-    def piece(self, chunk: dict) -> tuple[str, dict | None]:
+    def piece(self, chunk: ChoiceChunk) -> tuple[str, dict | None]:
         """This chunk's text and logprobs (None unless asked); the prompt (echo) comes with the first."""
-        text, entries = chunk["text"], list(chunk.get("logprobs") or ())
+        text, entries = chunk.text, list(chunk.logprobs)
         prompt_entries: list[TokenLogprob] = []
         if self.echo_text is not None:
             text, self.echo_text = self.echo_text + text, None
-            prompt_entries = list(chunk.get("prompt_logprobs") or ())
-        self.finish_reason = chunk.get("finish_reason") or self.finish_reason
+            prompt_entries = list(chunk.prompt_logprobs or ())
+        self.finish_reason = chunk.finish_reason or self.finish_reason
         logprobs = None
         if self.generation.logprobs is not None:
             logprobs = (self._chat_logprobs(entries) if self.chat
@@ -113,19 +113,19 @@ class Choice:
                              "top_logprobs": [item(t, lp) for t, lp in e.top[: self.generation.logprobs]]}
                             for e in entries]}
 
-    def body(self, chunk: dict) -> dict:
+    def body(self, chunk: ChoiceChunk) -> dict:
         """The whole choice, from its one merged chunk."""
         text, logprobs = self.piece(chunk)
         if self.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": chunk["finish_reason"]}
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": chunk["finish_reason"]}
+                    "finish_reason": chunk.finish_reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
 
-    def delta(self, chunk: dict) -> dict | None:
+    def delta(self, chunk: ChoiceChunk) -> dict | None:
         """The stream chunk's choice for this replica chunk, or None when it carries nothing."""
         text, logprobs = self.piece(chunk)
-        finish = chunk.get("finish_reason")
-        if not text and not finish and not (chunk.get("logprobs") and logprobs):
+        finish = chunk.finish_reason
+        if not text and not finish and not (chunk.logprobs and logprobs):
             return None
         if self.chat:
             return {"index": self.index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
@@ -133,10 +133,10 @@ class Choice:
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def total_usage(chunks: Sequence[dict], n: int) -> dict:
+def total_usage(chunks: Sequence[ChoiceChunk], n: int) -> dict:
     """Each prompt's tokens count once (its first choice), every choice's completion tokens count."""
-    return usage(sum(c["prompt_tokens"] for c in chunks if c["index"] % n == 0),
-                 sum(c["completion_tokens"] for c in chunks))
+    return usage(sum(c.prompt_tokens for c in chunks if c.index % n == 0),
+                 sum(c.completion_tokens for c in chunks))
 
 
 def body(request_id: str, model: str, chat: bool, choices: list[dict], usage_: dict) -> dict:

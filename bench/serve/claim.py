@@ -25,6 +25,7 @@ import torch
 from ray import serve
 from transformers import AutoTokenizer
 
+from app.api.wire import ErrorReply, GenerateCall
 from app.engine.config import EngineConfig
 from app.demo.build import DEMO_VERSION
 from app.sampling.params import SamplingParams
@@ -36,6 +37,7 @@ from bench.engine.hints import max_rank_adapter_bytes
 from bench.serve.arms import NOTES, SERVE_ARMS, RequestResult, request_bodies, sum_deltas, summarize
 from bench.serve.load import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
 from bench.workloads import SEQUENTIAL_ADAPTERS, WORKLOADS, make
+from deploy.state import find_router_state
 
 POLL_S = 0.5  # the router-wait sampler: the replicas report to the view about this often
 SETTLE_S = 30.0  # longest wait for the replicas to go idle after a run
@@ -80,21 +82,21 @@ def engine_snapshots(actors: dict) -> dict[str, dict]:
 
 def hints_pushed() -> int:
     """Hints the router actor has passed on since the deployment started, of both kinds (waiting, incoming)."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_DEPLOYMENT_ACTOR::{APP_NAME}::") and a["name"].endswith("::router_state")]
-    if not names:
+    try:
+        actor = find_router_state(APP_NAME, None)
+    except ValueError:
         return 0
-    stats = ray.get(ray.get_actor(sorted(names)[-1], namespace="serve").stats.remote(), timeout=30)
+    stats = ray.get(actor.stats.remote(), timeout=30)
     return sum(stats["hints_pushed"].values())
 
 
 def warm_host(actors: dict, names: list[str]) -> None:
     """Every adapter through every replica once (one token), so each replica's host cache holds them all."""
-    params = asdict(SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    refs = [call_replica(actor, "generate", {"prompts": [[8, 9, 10, 11]], "n": 1, "adapter_id": name,
-                                             "params": params, "request_id": f"warm-host-{uid}-{i}"})
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    refs = [call_replica(actor, "generate", GenerateCall(prompts=[[8, 9, 10, 11]], params=params, adapter_id=name,
+                                                         request_id=f"warm-host-{uid}-{i}"))
             for uid, actor in actors.items() for i, name in enumerate(names)]
-    errors = [r["error"] for r in ray.get(refs, timeout=600) if "error" in r]
+    errors = [r.body["error"] for r in ray.get(refs, timeout=600) if isinstance(r, ErrorReply)]
     if errors:
         raise RuntimeError(f"{len(errors)} host warm-up requests failed, first: {errors[0]}")
 

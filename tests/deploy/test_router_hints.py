@@ -77,7 +77,7 @@ def test_app_passes_hints_to_the_router():
 
 def test_a_request_routed_again_is_hinted_once_per_replica_until_it_is_accepted():
     """Ray 2.60 calls on_request_completed also when a full replica turns an attempt away (it cancels the attempt):
-    the request waits again and must not be hinted again (the session-11 CPU trace: 96 hints for 75 requests)."""
+    the request waits again and must not be hinted again (a CPU trace of that bug: 96 hints for 75 requests)."""
     r, actor = router(True, VIEW)
     for _ in range(3):  # turned away by the full replica, it waits there again
         request = pending("pirate", "r1")

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
+from deploy.state import find_router_state
 
 PROMPT = "Tell me a story."
 
@@ -173,9 +174,7 @@ def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manife
     stop, results = threading.Event(), []
     threads = load_in_background(cluster, names, stop, results)
     time.sleep(2)
-    actor_name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["name"].endswith("::router_state"))
-    ray.kill(ray.get_actor(actor_name, namespace="serve"))
+    ray.kill(find_router_state("lora", None))
     # Registration needs the router actor: while it is gone the answer is a clean 503 with Retry-After.
     during, attempt, deadline = None, 0, time.time() + 10
     while time.time() < deadline and (during is None or during.status_code != 503):
@@ -292,7 +291,7 @@ def test_scale_two_to_three_by_config_update_fails_nothing(cluster, manifest):
 
 
 def test_openai_surface_logprobs_echo_n_batch_prompts_and_refusals(cluster, oai, manifest):
-    """What evaluation harnesses and the openai client send (issue 11), over HTTP."""
+    """What evaluation harnesses and the openai client send, over HTTP."""
     # Multiple-choice scoring: echo the prompt with its logprobs, one token of completion (and none).
     for max_tokens in (1, 0):
         scored = oai.completions.create(model="pirate", prompt=PROMPT, echo=True, logprobs=1, max_tokens=max_tokens,

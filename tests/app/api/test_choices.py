@@ -5,11 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from app.api.schemas import ChatCompletionRequest, CompletionRequest
-from app.engine.async_engine import AsyncEngine
-from app.errors import PromptTooLong
 from app.api.fanout import generate_choices, merge_chunks, output_chunk
 from app.api.responses import Choice, token_bytes, total_usage
+from app.api.schemas import ChatCompletionRequest, CompletionRequest
+from app.api.wire import ChoiceChunk
+from app.engine.async_engine import AsyncEngine
+from app.errors import PromptTooLong
 from app.sampling.params import SamplingParams
 from engine_helpers import run_all
 
@@ -21,7 +22,7 @@ def engine(make_engine):
     engine.shutdown()
 
 
-def stream(engine, prompts, params, n, adapter=None) -> list[dict]:
+def stream(engine, prompts, params, n, adapter=None) -> list[ChoiceChunk]:
     async def main():
         return [output_chunk(i, o) async for i, o in generate_choices(engine, prompts, adapter, params, n)]
 
@@ -32,13 +33,13 @@ def test_n_seeded_choices_equal_single_requests_with_seed_plus_j(engine, make_en
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=100)
     prompts = ["Tell me about the sea.", [1, 50, 60, 70]]
     merged = merge_chunks(stream(engine, prompts, params, 3, adapter_names[0]))
-    assert [c["index"] for c in merged] == list(range(6))
+    assert [c.index for c in merged] == list(range(6))
     sync = make_engine()
     for c in merged:
-        i, j = divmod(c["index"], 3)
+        i, j = divmod(c.index, 3)
         request = sync.add_request(prompts[i], adapter_names[0], replace(params, seed=100 + j))
-        assert c["token_ids"] == run_all(sync)[request.request_id], c["index"]
-    assert len({tuple(c["token_ids"]) for c in merged[:3]}) > 1, "the n choices should differ"
+        assert list(c.token_ids) == run_all(sync)[request.request_id], c.index
+    assert len({c.token_ids for c in merged[:3]}) > 1, "the n choices should differ"
 
 
 def test_a_bad_prompt_fails_the_whole_request_before_anything_streams(engine):
@@ -97,7 +98,7 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone(engine):
     merged = merge_chunks(stream(engine, body.prompts(), generation.params, 1))
     choice = Choice(0, engine.engine.tokenizer, generation, False, body.prompt).body(merged[0])
     assert choice["text"] == body.prompt and choice["finish_reason"] == "length"
-    assert len(choice["logprobs"]["tokens"]) == merged[0]["prompt_tokens"]
+    assert len(choice["logprobs"]["tokens"]) == merged[0].prompt_tokens
 
 
 def test_chat_logprobs_and_streamed_deltas_carry_their_index(engine):
@@ -107,7 +108,7 @@ def test_chat_logprobs_and_streamed_deltas_carry_their_index(engine):
     chunks = stream(engine, [[1, 4, 30, 31]], generation.params, 2)
     tokenizer = engine.engine.tokenizer
     choices = [Choice(i, tokenizer, generation, True) for i in range(2)]
-    deltas = [d for d in (choices[c["index"]].delta(c) for c in chunks) if d is not None]
+    deltas = [d for d in (choices[c.index].delta(c) for c in chunks) if d is not None]
     for index in (0, 1):
         mine = [d for d in deltas if d["index"] == index]
         content = [e for d in mine for e in d["logprobs"]["content"]]
@@ -117,7 +118,7 @@ def test_chat_logprobs_and_streamed_deltas_carry_their_index(engine):
             assert len(entry["top_logprobs"]) == 3
             assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
         text = "".join(d["delta"].get("content", "") for d in mine)
-        assert text == tokenizer.decode([t for c in chunks if c["index"] == index for t in c["token_ids"]],
+        assert text == tokenizer.decode([t for c in chunks if c.index == index for t in c.token_ids],
                                         skip_special_tokens=True)
         assert bytes(b for e in content for b in e["bytes"]).decode() == text  # the tokens' own bytes
 

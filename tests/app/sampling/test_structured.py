@@ -182,7 +182,7 @@ def run_body(async_engine, body, prompts, chat: bool) -> list[dict]:
 
     merged = merge_chunks(asyncio.run(main()))
     tokenizer = async_engine.engine.tokenizer
-    return [Choice(c["index"], tokenizer, generation, chat).body(c) for c in merged]
+    return [Choice(c.index, tokenizer, generation, chat).body(c) for c in merged]
 
 
 def test_chat_json_schema_with_n_logprobs_through_the_api_layer(async_engine):
@@ -213,7 +213,7 @@ def test_completions_json_object_with_echo_through_the_api_layer(async_engine):
     [merged] = merge_chunks(chunks)
     [choice] = [Choice(0, async_engine.engine.tokenizer, generation, False, PROMPT).body(merged)]
     assert choice["text"].startswith(PROMPT) and isinstance(json.loads(choice["text"][len(PROMPT):]), dict)
-    assert "".join(c["text"] for c in chunks) == merged["text"], "streamed chunks join to the whole text"
+    assert "".join(c.text for c in chunks) == merged.text, "streamed chunks join to the whole text"
 
 
 def test_a_bad_schema_through_the_async_engine_is_a_400_before_anything_streams(async_engine):

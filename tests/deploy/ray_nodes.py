@@ -157,3 +157,19 @@ def serve_cli(*args: str, env: dict, timeout_s: float = 120) -> subprocess.Compl
     """`serve ...` as an operator runs it (token auth named, as README says)."""
     return subprocess.run([SERVE, *args], env={**os.environ, **RAY_ENV, **env}, capture_output=True, text=True,
                           timeout=timeout_s)
+
+
+def stop_serve_run(process: subprocess.Popen) -> None:
+    """serve run's graceful shutdown (it can take a minute), then its whole process group: a cluster left running
+    would be the one a later test's ray.init() connects to."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # started with start_new_session: the group is serve run's
+    except ProcessLookupError:
+        pass
+    process.wait()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from deploy import haproxy, preflight
-from ray_nodes import RAY_ENV, SERVE, free_ports, write_serve_config
+from ray_nodes import RAY_ENV, SERVE, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
@@ -42,15 +42,6 @@ def _answers(port: int) -> bool:
     return response.status_code == 200 and "pirate" in response.text
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)  # serve run's graceful shutdown
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
 def test_make_serve_starts_again_after_serve_run_was_killed(tmp_path, demo_dir):
     http, stats, metrics = free_ports(3)
     config = write_serve_config(tmp_path / "serve_config.yaml", http,
@@ -71,7 +62,7 @@ def test_make_serve_starts_again_after_serve_run_was_killed(tmp_path, demo_dir):
     finally:
         for process in (second, first):
             if process is not None:
-                _stop(process)
+                stop_serve_run(process)
         for holder in preflight.holders(http) + preflight.holders(stats):
             if holder.is_orphaned_serve_haproxy:
                 os.kill(holder.pid, signal.SIGKILL)

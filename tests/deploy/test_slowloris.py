@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deploy import haproxy, preflight
-from ray_nodes import RAY_ENV, SERVE, free_ports, write_serve_config
+from ray_nodes import RAY_ENV, SERVE, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
@@ -41,11 +41,7 @@ def served(tmp_path_factory, demo_dir):
                  what="the app answers")
         yield f"http://127.0.0.1:{http}"
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_serve_run(process)
         for port in (http, stats, metrics):
             for holder in preflight.holders(port):
                 if holder.is_orphaned_serve_haproxy:

@@ -21,16 +21,13 @@ from transformers import PretrainedConfig
 from app.adapters.format import (
     CONFIG_NAME,
     PICKLE_SUFFIXES,
-    WEIGHTS_NAME,
-    AdapterFile,
     check_config_matches,
-    check_finite_on_disk,
     check_modules,
     read_config,
-    read_header,
     read_modules,
     short_name,
 )
+from app.adapters.safetensors_file import WEIGHTS_NAME, AdapterFile, check_finite_on_disk, read_header
 from app.errors import (
     AdapterAlreadyExists,
     AdapterFormatError,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adapter_helpers import edit_config, edit_tensors, good, make_adapter, registry, root  # noqa: F401 (fixtures)
-from app.adapters import format as adapter_format
+from app.adapters import safetensors_file
 from app.adapters.registry import CONFIG_NAME, WEIGHTS_NAME
 from app.errors import AdapterFormatError, AdapterInvalid, AdapterNonFinite, ServingError
 
@@ -82,7 +82,7 @@ def test_padded_file_is_refused_from_its_header(registry, good):
 def test_values_are_checked_in_bounded_chunks(registry, root, monkeypatch):
     """The NaN/Inf scan streams the file: a bad value in the last chunk of a tensor is still found."""
     make_adapter(root / "big", r=16, lora_alpha=16)
-    monkeypatch.setattr(adapter_format, "_FINITE_CHUNK_BYTES", 256)
+    monkeypatch.setattr(safetensors_file, "_FINITE_CHUNK_BYTES", 256)
     assert registry.validate("ok", root / "big").rank == 16
 
     def poison_last(tensors):

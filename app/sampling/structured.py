@@ -7,7 +7,7 @@ is returned untouched, and a constrained row leaves its neighbours' logits as th
 
 Each request's matcher (`Grammar`) fills its row of a [rows, ceil(V/32)] bitmask on the host and
 advances by the sampled token in the engine. xgrammar was chosen by measurement
-(bench/grammar_bench.py, README): at a 128k vocabulary it fills a row's mask and advances in ~6 us,
+(bench/kernel/grammar.py, docs/benchmarks.md): at a 128k vocabulary it fills a row's mask and advances in ~6 us,
 against 37-96 us for llguidance and ~2 ms for outlines-core. Its price is compile time (18-180 ms at
 128k on the H100 host, seconds on a small busy CPU), so the engine compiles beside its loop
 (`LLMEngine.compile_grammar`, called through `call_aside` before the request is added) and xgrammar

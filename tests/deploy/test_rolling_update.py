@@ -87,7 +87,7 @@ def test_serve_deploy_with_new_args_rolls_replicas_under_traffic(head, demo_dir,
     assert all(m["root"].startswith(str(new_root)) for m in models.values() if m["parent"])
     with httpx.Client(base_url=url, timeout=60) as client:
         assert request_once(client, "stowaway", False, expected["pirate"], 12).ok
-        # A registration made at run time lived in the old version's router actor: gone, as README says.
+        # A registration made at run time lived in the old version's router actor: gone, as docs/cluster.md says.
         assert "runtime-pirate" not in models
         assert request_once(client, "runtime-pirate", False, expected["pirate"], 12).status == "404"
         again = client.post("/v1/adapters", json={"name": "runtime-pirate", "path": str(new_root / "pirate")})

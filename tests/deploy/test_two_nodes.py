@@ -1,7 +1,7 @@
 """Two real Ray nodes on this machine (`ray start --head`, then `ray start --address`), one replica pinned
 to each by a custom resource, the app deployed with `serve deploy`: the router's hints reach the
 replica on the other node ahead of its requests, and when that node's raylet is killed under load,
-its in-flight requests end as README's Reliability section promises and later requests succeed on
+its in-flight requests end as docs/reliability.md promises and later requests succeed on
 the node that remains. Every wait has a deadline; the nodes are stopped in finalizers."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_node_lost_under_load_ends_its_requests_cleanly_and_the_other_node_serve
         # A stream cut by its replica's death ends with an engine_unavailable event and [DONE]; others finish.
         assert finish == ("error:engine_unavailable" if replica == remote else "done"), (model, replica, finish)
     for o in during.failures():
-        # Requests that had sent nothing are retried (README: Reliability); a started stream ends with a clear error.
+        # Requests that had sent nothing are retried (docs/reliability.md); a started stream ends with a clear error.
         assert o.status in ("stream:engine_unavailable", "503"), (o.model, o.stream, o.status, o.detail)
     failed = after.failures()
     assert not failed, [(o.model, o.stream, o.status, o.detail) for o in failed[:5]]

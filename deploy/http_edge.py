@@ -7,10 +7,32 @@ import hmac
 from fastapi.responses import JSONResponse
 from ray.exceptions import TaskCancelledError
 from starlette.datastructures import Headers
+from starlette.routing import Match
 
 from app.api.wire import ErrorReply
 from app.errors import BodyTooLarge, ServingError, Unauthorized
 from deploy import metrics
+
+UNMATCHED_ROUTE = "unmatched"
+
+
+def route_tag(scope) -> str:
+    """A request's metric tag: its route's template. Never the raw path: every unknown path would add a tag
+    value the ingress keeps for good, and Ray's metrics cannot encode one that is not ASCII."""
+    route = scope.get("route")  # set once routing has matched
+    if route is None and "app" in scope:
+        route = next((r for r in _leaf_routes(scope["app"].router.routes) if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "path", None) or UNMATCHED_ROUTE
+
+
+def _leaf_routes(routes):
+    """The routes under FastAPI's include_router nodes, where serve.ingress puts the class's (with no prefix)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from _leaf_routes(included.routes)
+        else:
+            yield route
 
 
 def error_response(error: ServingError | ErrorReply) -> JSONResponse:
@@ -41,7 +63,7 @@ class RequestGuard:
                 receive = await self._buffer_body(receive)
         except ServingError as e:
             response = error_response(e)
-            metrics.requests().inc(tags={"route": scope["path"], "status": str(response.status_code)})
+            metrics.requests().inc(tags={"route": route_tag(scope), "status": str(response.status_code)})
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -11,7 +11,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from app.adapters.registry import AdapterRegistry, validate_adapter_id
 from app.api import responses
+from app.api.fanout import merge_chunks
 from app.api import schemas as api
 from app.api.wire import ErrorReply, GenerateCall
 from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
@@ -28,11 +29,15 @@ from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded,
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.haproxy import HAPROXY_ENV
-from deploy.http_edge import RequestGuard, error_response
-from deploy.state import find_router_state
+from deploy.http_edge import RequestGuard, error_response, route_tag
+from deploy.replica_health import ReplicaHealth
+from deploy.state import REPLICA_DEPLOYMENT, find_router_state
 
 log = logging.getLogger("ray.serve")
 REPLICA_DEATH_RETRIES = 1
+REPLICA_WAIT_CHECK_S = 1.0  # waiting this long for a replica's first answer, ask Serve whether any can start
+REPLICA_FAILED_RETRY_AFTER_S = 10
+REGISTRY_SYNC_TIMEOUT_S = 5.0  # below _call_state's 10 s
 fastapi_app = FastAPI(title="lora-serve", description="OpenAI-compatible multi-LoRA serving on Ray Serve.")
 
 
@@ -53,7 +58,7 @@ async def _invalid_body(request: Request, exc: RequestValidationError):
 @fastapi_app.exception_handler(HTTPException)
 async def _http_error(request: Request, exc: HTTPException):
     """Starlette's own errors (unknown route, wrong method, a body that is not UTF-8) in the OpenAI shape."""
-    metrics.requests().inc(tags={"route": request.url.path, "status": str(exc.status_code)})
+    metrics.requests().inc(tags={"route": route_tag(request.scope), "status": str(exc.status_code)})
     phrase = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")  # not_found, method_not_allowed
     code = "invalid_request" if exc.status_code == 400 else phrase
     body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": code}}
@@ -67,7 +72,7 @@ async def _serving_error(request: Request, exc: ServingError):
 
 def _serving_error_response(request: Request, error: ServingError) -> JSONResponse:
     response = error_response(error)
-    metrics.requests().inc(tags={"route": request.url.path, "status": str(response.status_code)})
+    metrics.requests().inc(tags={"route": route_tag(request.scope), "status": str(response.status_code)})
     return response
 
 
@@ -84,7 +89,6 @@ class Ingress:
         # By value: each call goes straight to the replica's gRPC server instead of Ray's actor calls.
         self.replicas = replicas.options(_by_reference=self.args.replica_transport == "actor")
         self.stream_handle = self.replicas.options(stream=True, method_name="stream")  # made once, not per request
-        self.call_handle = self.replicas.options(method_name="generate")
         self.model_id = self.args.served_model_id
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.base_model)
         base_config = AutoConfig.from_pretrained(self.args.base_model)
@@ -95,6 +99,7 @@ class Ingress:
         context = serve.get_replica_context()
         self.app_name, self.code_version = context.app_name, context.code_version
         self._router_state: ActorHandle | None = None
+        self.replica_health = ReplicaHealth(self.app_name, REPLICA_DEPLOYMENT)
         self.in_flight = 0
         # Registered on the shared app object, hence here with the args rather than at import.
         fastapi_app.add_middleware(RequestGuard, api_key=self.args.api_key, max_body_bytes=self.args.max_body_bytes)
@@ -164,17 +169,34 @@ class Ingress:
         if name in self.adapters:
             raise AdapterAlreadyExists(f"adapter {name!r} is already registered; unload it first")
         spec = await asyncio.to_thread(self.validator.validate, name, path)
-        await self._call_state("register", name, str(spec.path))
+        # The check above only spares a validation; the router actor's answer is the one that counts, as another
+        # registration of the name may have landed during the validation.
+        version = await self._call_state("register", name, str(spec.path))
+        if version is None:
+            raise AdapterAlreadyExists(f"adapter {name!r} is already registered; unload it first")
         self.adapters[name] = str(spec.path)
+        await self._wait_synced(version)
         return {"id": name, "object": "model", "root": str(spec.path), "parent": self.model_id,
                 "rank": spec.rank, "target_modules": sorted(spec.target_modules)}
 
     async def _unregister(self, name: str) -> None:
         if not self.args.allow_adapter_registration:
             raise Forbidden("adapter registration is disabled (allow_adapter_registration: false)")
-        if not await self._call_state("unregister", name):
+        version = await self._call_state("unregister", name)
+        if version is None:
             raise AdapterNotFound(f"adapter {name!r} is not registered")
         self.adapters.pop(name, None)
+        await self._wait_synced(version)
+
+    async def _wait_synced(self, version: int) -> None:
+        """Answer a registry change once every replica has taken it, so that a request sent after the answer
+        never meets the name's previous weights. A replica that takes longer catches up on its own."""
+        try:
+            if not await self._call_state("wait_synced", version, REGISTRY_SYNC_TIMEOUT_S):
+                log.warning("not every replica took registry version %d within %.0f s", version,
+                            REGISTRY_SYNC_TIMEOUT_S)
+        except EngineUnavailable as e:
+            log.warning("could not confirm that replicas took registry version %d: %s", version, e)
 
     @fastapi_app.post("/v1/adapters", status_code=201)
     async def register(self, body: api.AdapterRegistration):
@@ -218,7 +240,9 @@ class Ingress:
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: api.ChatCompletionRequest):
         body.check_supported()
-        return await self._generate(body, [self._chat_prompt(body.conversation())], chat=True)
+        # The chat template and the tokenizer take seconds on a long conversation: off the event loop.
+        prompt = await asyncio.to_thread(self._chat_prompt, body.conversation())
+        return await self._generate(body, [prompt], chat=True)
 
     def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                      add_special_tokens: bool = False) -> list[int]:
@@ -235,12 +259,18 @@ class Ingress:
         """vLLM's route; max_model_len is the longest prompt accepted (max_input_tokens)."""
         body.check_supported()
         await self._resolve_model(body.model)
+        # A megabyte of text takes the tokenizer about a second, and FastAPI's encoding of its half a million ids a
+        # third of one more: both off the event loop, so /health and streams go on.
+        return Response(await asyncio.to_thread(self._tokenize_json, body), media_type="application/json")
+
+    def _tokenize_json(self, body: api.TokenizeRequest) -> bytes:
         if body.messages is None:
             tokens = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
         else:
             tokens = self._chat_prompt(api.conversation(body.messages), body.add_generation_prompt,
                                        bool(body.add_special_tokens))
-        return {"count": len(tokens), "max_model_len": self.args.max_input_tokens, "tokens": tokens}
+        return json.dumps({"count": len(tokens), "max_model_len": self.args.max_input_tokens,
+                           "tokens": tokens}).encode()
 
     @fastapi_app.post("/detokenize")
     async def detokenize(self, body: api.DetokenizeRequest):
@@ -276,37 +306,67 @@ class Ingress:
         call = GenerateCall(prompts=prompts, params=generation.params, n=generation.n, adapter_id=adapter_id,
                             request_id=request_id)
         choices = self._choices(generation, prompts, chat, echo)
-        handle = self.stream_handle if body.stream else self.call_handle
+        handle = self.stream_handle
         if self.args.router == "adapter_affinity":
             handle = handle.options(multiplexed_model_id=adapter_id or "")
         started = time.perf_counter()
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
             try:
+                stream = handle.remote(call)
+                first = await self._first_answer(stream.__anext__(), stream)
+                if isinstance(first, ErrorReply):
+                    metrics.requests().inc(tags={"route": route, "status": str(first.status)})
+                    return error_response(first)
                 if body.stream:
-                    stream = handle.remote(call)
-                    first = await stream.__anext__()
-                    if isinstance(first, ErrorReply):
-                        metrics.requests().inc(tags={"route": route, "status": str(first.status)})
-                        return error_response(first)
                     metrics.ttft().observe(time.perf_counter() - started, tags={"model": body.model})
                     return StreamingResponse(self._sse(body, chat, request_id, choices, first, stream, route),
                                              media_type="text/event-stream",
                                              headers={"x-replica-id": first.replica})
-                result = await handle.remote(call)
+                chunks = await self._rest(stream, first)
                 break
             except RayActorError as e:
                 # The client has seen nothing yet, so another replica may serve the request afresh.
                 if attempt == REPLICA_DEATH_RETRIES:
                     raise EngineUnavailable(f"the replica serving this request died: {e}", retry_after_s=1) from e
                 log.warning("replica died before answering %s; retrying on another replica", request_id)
-        if isinstance(result, ErrorReply):
-            metrics.requests().inc(tags={"route": route, "status": str(result.status)})
-            return error_response(result)
+        if isinstance(chunks[-1], ErrorReply):
+            metrics.requests().inc(tags={"route": route, "status": str(chunks[-1].status)})
+            return error_response(chunks[-1])
         metrics.requests().inc(tags={"route": route, "status": "200"})
-        merged = result.choices
+        merged = merge_chunks(chunks)
         content = responses.body(request_id, body.model, chat, [choices[c.index].body(c) for c in merged],
                                  responses.total_usage(merged, generation.n))
-        return JSONResponse(content, headers={"x-replica-id": result.replica})
+        return JSONResponse(content, headers={"x-replica-id": first.replica})
+
+    @staticmethod
+    async def _rest(stream, first) -> list:
+        """A whole reply, merged here from the replica's chunks: as one message it may pass gRPC's 4 MiB cap
+        between replica and ingress (echoed prompts with 20 logprobs a token, n x long completions)."""
+        chunks = [first]
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+                if isinstance(chunk, ErrorReply):
+                    break
+        except BaseException:
+            stream.cancel()  # the client is gone, or the replica died: free its rows
+            raise
+        return chunks
+
+    async def _first_answer(self, answer, call):
+        """The replica's first answer. Serve retries a replica that fails to start for good while requests wait for
+        it: while none runs and they have failed, a 503 that carries their error instead (`call` is cancelled)."""
+        answer = asyncio.ensure_future(answer)
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=REPLICA_WAIT_CHECK_S)
+            if done:
+                return answer.result()
+            failure = await self.replica_health.failure()
+            if failure is not None:
+                call.cancel()
+                answer.cancel()
+                raise EngineUnavailable(f"no replica of {REPLICA_DEPLOYMENT} is running; they fail to start: "
+                                        f"{failure}", retry_after_s=REPLICA_FAILED_RETRY_AFTER_S)
 
     async def _sse(self, body, chat, request_id, choices, first, stream, route):
         last_at, status = time.perf_counter(), "200"

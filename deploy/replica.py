@@ -18,7 +18,7 @@ from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
 from app.engine.async_engine import AsyncEngine
 from app.engine.process import DiscardResult, EngineProcess
 from app.engine.engine import LLMEngine
-from app.errors import AdapterError, InternalError, ServingError
+from app.errors import AdapterInUse, AdapterNotFound, EngineUnavailable, InternalError, ServingError
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.state import find_router_state
@@ -46,7 +46,10 @@ class LoRAReplica:
         else:
             self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, config))
         self.engine.stream_interval_s = self.args.stream_interval_ms / 1000
-        self.adapters: dict[str, str] = {}
+        self.adapters: dict[str, str] = {}  # name -> path, as the engine has it registered
+        self._wanted: dict[str, str] = {}  # name -> path, as the application's registry has it
+        self._deferred: set[str] = set()  # names whose change waits for their requests to finish
+        self._registry_lock = asyncio.Lock()
         await self._sync_adapters(self.args.initial_adapters())
         self._known: tuple | None = None
         self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
@@ -79,8 +82,8 @@ class LoRAReplica:
     async def stream(self, call: GenerateCall) -> AsyncIterator[ChoiceChunk | ErrorReply]:
         """Each choice's chunks as they come, or one ErrorReply (then nothing more)."""
         try:
-            if call.adapter_id is not None and call.adapter_id not in self.adapters:
-                await self._adopt(call.adapter_id)  # registered moments ago, not yet synced here
+            if call.adapter_id is not None and not self._is_current(call.adapter_id):
+                await self._adopt(call.adapter_id)
             async for index, output in generate_choices(self.engine, call.prompts, call.adapter_id, call.params,
                                                         call.n, call.request_id, _hint_id()):
                 yield output_chunk(index, output, self.uid)
@@ -108,32 +111,70 @@ class LoRAReplica:
 
     # --- registry -------------------------------------------------------------------------------
 
+    def _is_current(self, name: str) -> bool:
+        return name in self.adapters and self._wanted.get(name) == self.adapters[name]
+
     async def _sync_adapters(self, wanted: dict[str, str]) -> None:
-        """Make this replica's registry equal `wanted` (the application's registry)."""
-        for name in [n for n in self.adapters if n not in wanted]:
+        """Make this replica's registry equal `wanted` (the application's registry), as far as it can now."""
+        async with self._registry_lock:
+            self._wanted = dict(wanted)
+            for name in [n for n in self.adapters if n not in wanted] + list(wanted):
+                await self._sync_one(name)
+
+    async def _sync_one(self, name: str) -> None:
+        """Bring the engine's registration of `name` to self._wanted's (caller holds the registry lock).
+
+        The engine keeps an adapter while requests use it; until they finish, the name stays deferred, requests
+        for it are refused (see _adopt), and the sync loop retries."""
+        held, path = self.adapters.get(name), self._wanted.get(name)
+        if held == path:
+            self._deferred.discard(name)
+            return
+        if held is not None:
             try:
                 await self.engine.call(methodcaller("unregister_adapter", name))
-                del self.adapters[name]
-            except AdapterError as e:  # in use: retried on the next sync
-                log.info("deferring unregister of %s: %s", name, e)
-        for name, path in wanted.items():
-            if self.adapters.get(name) == path:
-                continue
+            except AdapterInUse as e:
+                if name not in self._deferred:
+                    log.info("deferring the change of adapter %s until its requests finish: %s", name, e)
+                    self._deferred.add(name)
+                return
+            except AdapterNotFound:
+                pass
+            del self.adapters[name]
+            self._deferred.discard(name)
+        if path is not None:
             try:
-                if name in self.adapters:
-                    await self.engine.call(methodcaller("unregister_adapter", name))
                 await self.engine.call_aside(DiscardResult(methodcaller("register_adapter", name, path)))
                 self.adapters[name] = path
             except ServingError as e:
                 log.warning("adapter %s at %s refused: %s", name, path, e)
 
+    async def _retry_deferred(self) -> None:
+        async with self._registry_lock:
+            for name in list(self._deferred):
+                await self._sync_one(name)
+
     async def _adopt(self, adapter_id: str) -> None:
-        try:
-            snapshot = await (await self._state()).adapters_snapshot.remote()
-        except Exception:
-            return  # the engine answers with its own AdapterNotFound
-        if adapter_id in snapshot["adapters"]:
-            await self._sync_adapters({**self.adapters, adapter_id: snapshot["adapters"][adapter_id]})
+        """A request for a name this replica does not hold as the registry does: registered moments ago and not
+        yet synced here, or changed while requests use its old weights. Serve it from the registry's current
+        entry, or refuse it; never with weights the registry no longer names."""
+        async with self._registry_lock:
+            try:
+                snapshot = await (await self._state()).adapters_snapshot.remote()
+            except Exception:
+                snapshot = None  # the registry is unreachable: go by the last one this replica saw
+            if snapshot is not None:
+                if adapter_id in snapshot["adapters"]:
+                    self._wanted[adapter_id] = snapshot["adapters"][adapter_id]
+                else:
+                    self._wanted.pop(adapter_id, None)
+            await self._sync_one(adapter_id)
+            if adapter_id not in self.adapters or self._is_current(adapter_id):
+                return  # current, or the engine answers with its own AdapterNotFound
+            if adapter_id not in self._wanted:
+                raise AdapterNotFound(f"adapter {adapter_id!r} is not registered")
+            raise EngineUnavailable(f"adapter {adapter_id!r} was registered again to {self._wanted[adapter_id]}; "
+                                    "requests still use its previous weights here; retry shortly", retry_after_s=1)
 
     async def _state(self) -> ActorHandle:
         """The router actor, looked up again after _sync_loop drops a dead one (Serve recreates it)."""
@@ -158,11 +199,13 @@ class LoRAReplica:
                                      ids["waiting"], ids["withdrawn"])
                 if "adapters" in reply:
                     if self._known is not None and reply["epoch"] != self._known[0]:
-                        await actor.restore.remote(self.adapters)  # a recreated actor lost registrations
+                        await actor.restore.remote(self._wanted)  # a recreated actor lost registrations
                         self._known = None
                         continue
                     await self._sync_adapters(reply["adapters"])
                     self._known = (reply["epoch"], reply["version"])
+                elif self._deferred:
+                    await self._retry_deferred()
                 await self._export_metrics()
             except (RayActorError, ValueError, asyncio.TimeoutError) as e:
                 log.debug("router actor unavailable: %r", e)

@@ -17,6 +17,7 @@ import ray
 from ray.actor import ActorHandle
 
 STALE_S = 5.0  # a replica that has not reported for this long has left the view
+SYNC_POLL_S = 0.01  # how often wait_synced looks at the replicas' reports
 REPLICA_DEPLOYMENT = "LoRAReplica"
 STATE_ACTOR = "router_state"  # its name among the LoRA replica deployment's actors
 SERVE_NAMESPACE = "serve"
@@ -52,6 +53,7 @@ class RouterState:
         self.adapters: dict[str, str] = dict(adapters or {})
         self.version = 1
         self.views: dict[str, dict] = {}
+        self.synced: dict[str, int] = {}  # replica -> the registry version it last reported in sync with
         self.mailboxes: dict[str, list[dict]] = defaultdict(list)
         self._wakeups: dict[str, asyncio.Event] = {}
         self.hints_pushed = Counter()
@@ -62,27 +64,34 @@ class RouterState:
     # --- replicas -------------------------------------------------------------------------------
 
     async def exchange(self, uid: str, stats: dict, known: tuple | None, timeout_s: float = 0.5) -> dict:
-        """Record a replica's stats; return its hints (waiting up to timeout_s) and any registry change."""
+        """Record a replica's stats; return its hints (waiting up to timeout_s) and any registry change.
+
+        known: the (epoch, version) of the registry the replica last synced; a registry change ends the wait."""
         self.views[uid] = {**stats, "updated_at": time.time()}
-        reply = {"epoch": self.epoch, "version": self.version}
-        if known is None or tuple(known) != (self.epoch, self.version):
-            reply["adapters"] = dict(self.adapters)
-        elif not self.mailboxes[uid]:
+        if known is not None and known[0] == self.epoch:
+            self.synced[uid] = known[1]
+        if self._is_current(known) and not self.mailboxes[uid]:
             wakeup = self._wakeup(uid)
             wakeup.clear()
             try:
                 await asyncio.wait_for(wakeup.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
+        reply = {"epoch": self.epoch, "version": self.version}
+        if not self._is_current(known):
+            reply["adapters"] = dict(self.adapters)
         reply["hints"], self.mailboxes[uid] = self.mailboxes[uid], []
         return reply
+
+    def _is_current(self, known: tuple | None) -> bool:
+        return known is not None and tuple(known) == (self.epoch, self.version)
 
     async def restore(self, adapters: dict[str, str]) -> int:
         """A replica re-seeds a recreated actor with the adapters it serves."""
         missing = {k: v for k, v in adapters.items() if k not in self.adapters}
         if missing:
             self.adapters.update(missing)
-            self.version += 1
+            self._changed()
         return self.version
 
     # --- routers --------------------------------------------------------------------------------
@@ -105,6 +114,7 @@ class RouterState:
 
     def forget_replica(self, uid: str) -> None:
         self.views.pop(uid, None)
+        self.synced.pop(uid, None)
         self.mailboxes.pop(uid, None)
         self._wakeups.pop(uid, None)
 
@@ -113,16 +123,41 @@ class RouterState:
     async def adapters_snapshot(self) -> dict:
         return {"version": self.version, "adapters": dict(self.adapters)}
 
-    async def register(self, name: str, path: str) -> int:
+    async def register(self, name: str, path: str) -> int | None:
+        """The new registry version, or None if `name` is registered already. Check and write happen here, in the
+        registry's one owner, with no await between them: concurrent registrations of a name get one success."""
+        if name in self.adapters:
+            return None
         self.adapters[name] = path
+        return self._changed()
+
+    async def unregister(self, name: str) -> int | None:
+        """The new registry version, or None if `name` is not registered."""
+        if self.adapters.pop(name, None) is None:
+            return None
+        return self._changed()
+
+    def _changed(self) -> int:
         self.version += 1
+        for wakeup in self._wakeups.values():  # replicas long-polling `exchange` take the change at once
+            wakeup.set()
         return self.version
 
-    async def unregister(self, name: str) -> bool:
-        if self.adapters.pop(name, None) is None:
-            return False
-        self.version += 1
-        return True
+    async def wait_synced(self, version: int, timeout_s: float) -> bool:
+        """Wait until every live replica has reported the registry at `version` or later; False on timeout.
+
+        A replica reports after it has brought its engine in line, or has marked a name whose old weights are
+        still in use as refused, so a registration answered after this holds on every replica."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.time()
+            behind = [u for u, v in self.views.items()
+                      if now - v["updated_at"] <= STALE_S and self.synced.get(u, 0) < version]
+            if not behind:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(SYNC_POLL_S)
 
     async def stats(self) -> dict:
         return {"epoch": self.epoch, "version": self.version, "replicas": sorted(self.views),

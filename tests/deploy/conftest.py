@@ -39,8 +39,9 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = serve_start(http_options={"host": "127.0.0.1", "port": self.port})
 
-    def deploy(self, replicas: int = 2, wait_replicas: bool = True, **args) -> None:
-        self.client.deploy_apps(app_config(self.demo_dir, replicas, **args), _blocking=True)
+    def deploy(self, replicas: int = 2, wait_replicas: bool = True, blocking: bool = True, **args) -> None:
+        """blocking: wait until Serve calls the application running (False for one that never will be)."""
+        self.client.deploy_apps(app_config(self.demo_dir, replicas, **args), _blocking=blocking)
         if wait_replicas:
             self.wait_for_replicas(replicas)
 
@@ -62,14 +63,17 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_dir, monkeypatch_module):
+def cluster(request, demo_dir, monkeypatch_module):
+    """The app on 2 replicas, with the test module's CLUSTER_ARGS where it has them (None: the module deploys)."""
     # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
     # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
     monkeypatch_module.setenv(haproxy.HAPROXY_ENV, "1" if haproxy.available() else "0")
     ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         cluster = Cluster(Path(demo_dir))
-        cluster.deploy(replicas=2)
+        args = getattr(request.module, "CLUSTER_ARGS", {})
+        if args is not None:
+            cluster.deploy(replicas=2, **args)
         yield cluster
     finally:
         serve.shutdown()

@@ -53,6 +53,15 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+def within_prompt_chars(messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+    """The messages' texts together within the prompt's limit: the chat template's time grows with them."""
+    total = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content)
+                for m in messages or ())  # parts are checked later: one may lack its text here
+    if total > MAX_PROMPT_CHARS:
+        raise ValueError(f"the messages hold {total} characters together; the limit is {MAX_PROMPT_CHARS}")
+    return messages
+
+
 def conversation(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them (content parts joined)."""
     return [{"role": m.role, "content": m.text()} for m in messages]
@@ -60,6 +69,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
 
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    _messages = field_validator("messages")(within_prompt_chars)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT,
                                               description="OpenAI's newer name for max_tokens; it wins if both.")
     logprobs: bool = Field(default=False, description="Logprobs of each generated token (raw logits).")

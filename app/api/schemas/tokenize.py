@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from app.api.schemas.chat import ChatMessage
+from app.api.schemas.chat import ChatMessage, within_prompt_chars
 from app.api.schemas.common import MAX_PROMPT_CHARS, StrictBody, TokenId, utf8
 
 
@@ -19,6 +19,8 @@ class TokenizeRequest(StrictBody):
     add_special_tokens: bool | None = Field(default=None, description="Default: true for prompt, false for "
                                             "messages (the chat template holds BOS), as in vLLM.")
     add_generation_prompt: bool = Field(default=True, description="messages only: end with the assistant's turn.")
+
+    _messages = field_validator("messages")(within_prompt_chars)
 
     @field_validator("prompt")
     @classmethod

@@ -83,6 +83,8 @@ BAD_INPUT = [
     Case("max_tokens 10**30", 422, completion(max_tokens=10**30)),
     Case("max_tokens 1e308", 422, completion(max_tokens=1e308)),
     Case("max_tokens past the KV budget", 400, completion(max_tokens=MAX_TOKENS_LIMIT), code="invalid_request"),
+    Case("max_tokens past the model's context", 400, completion(max_tokens=3000, ignore_eos=True),
+         code="invalid_request"),
     Case("negative temperature", 422, completion(temperature=-0.1)),
     Case("temperature above 2", 422, completion(temperature=2.5)),
     Case("temperature 1e-30", 200, completion(temperature=1e-30)),
@@ -179,5 +181,8 @@ BAD_INPUT = [
     Case("chat response_format bad schema", 400, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}), chat=True,
          code="invalid_response_format"),
+    Case("chat schema keyword the grammar does not enforce", 400, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 7}}}),
+         chat=True, code="invalid_response_format"),
     Case("chat unknown field", 400, chat(echo=True), chat=True, code="unsupported_parameter"),
 ]

@@ -71,7 +71,9 @@ def test_health_answers_while_big_tokenize_calls_run(cluster):
         latencies.append(time.perf_counter() - started)
         time.sleep(0.05)
     assert statuses == [200] * 6
-    assert latencies and max(latencies) < 0.5, latencies
+    # On the event loop, six such calls stalled /health for 5.8 s; in threads it stays under 0.1 s at p50 here, with
+    # GIL contention on a 2-core machine running the whole cluster pushing the worst call to 0.7 s.
+    assert latencies and max(latencies) < 2.0, latencies
 
 
 def test_messages_to_tokenize_or_chat_past_the_prompt_limit_together_are_refused(cluster):

@@ -23,7 +23,7 @@ BATCH = 4
 # The GCS declares a node dead after health_check_failure_threshold (5) failed checks, health_check_period_ms
 # (3000) apart: 15 s by default. The test waits for that (actors on the node are only then declared dead).
 FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
-LONG_TOKENS = 400  # a stream that runs for seconds on CPU (the demo model holds 512 positions)
+LONG_TOKENS = 1200  # runs for many seconds on CPU, so it is still streaming when its node is killed (2048 positions)
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,22 @@
-"""The HTTP edge of the ingress: OpenAI-style error bodies, and the API-key and body-size guard."""
+"""The HTTP edge of the ingress: OpenAI-style error bodies and the handlers that produce them, metric tags by
+route, and the API-key and body-size guard."""
 
 from __future__ import annotations
 
 import hmac
+import logging
+from http import HTTPStatus
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from ray.exceptions import TaskCancelledError
 from starlette.datastructures import Headers
 from starlette.routing import Match
 
 from app.api.wire import ErrorReply
-from app.errors import BodyTooLarge, ServingError, Unauthorized
+from app.errors import BodyTooLarge, InternalError, InvalidRequest, SchemaViolation, ServingError, Unauthorized
 from deploy import metrics
 
 UNMATCHED_ROUTE = "unmatched"
@@ -109,3 +115,47 @@ def _disconnect_on_cancel(receive):
             return {"type": "http.disconnect"}
 
     return receive_or_disconnect
+
+
+log = logging.getLogger("ray.serve")
+
+
+async def _invalid_body(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    malformed = any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors)
+    detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
+    error = InvalidRequest(f"malformed request body: {detail}") if malformed else SchemaViolation(
+        f"invalid request: {detail}")
+    return _serving_error_response(request, error)
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    """Starlette's own errors (unknown route, wrong method, a body that is not UTF-8) in the OpenAI shape."""
+    metrics.requests().inc(tags={"route": route_tag(request.scope), "status": str(exc.status_code)})
+    phrase = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")  # not_found, method_not_allowed
+    code = "invalid_request" if exc.status_code == 400 else phrase
+    body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": code}}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _serving_error(request: Request, exc: ServingError):
+    return _serving_error_response(request, exc)
+
+
+def _serving_error_response(request: Request, error: ServingError) -> JSONResponse:
+    response = error_response(error)
+    metrics.requests().inc(tags={"route": route_tag(request.scope), "status": str(response.status_code)})
+    return response
+
+
+async def _unexpected(request: Request, exc: Exception):
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app returns, its own or Starlette's, in the OpenAI shape and counted by route."""
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ServingError, _serving_error)
+    app.add_exception_handler(Exception, _unexpected)

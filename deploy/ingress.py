@@ -7,16 +7,13 @@ import json
 import logging
 import os
 import time
-from http import HTTPStatus
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
 from transformers import AutoConfig, AutoTokenizer
 
 from app.adapters.registry import AdapterRegistry, validate_adapter_id
@@ -25,11 +22,11 @@ from app.api.fanout import merge_chunks
 from app.api import schemas as api
 from app.api.wire import ErrorReply, GenerateCall
 from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
-                        InternalError, InvalidRequest, ModelNotFound, SchemaViolation, ServingError)
+                        InvalidRequest, ModelNotFound)
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.haproxy import HAPROXY_ENV
-from deploy.http_edge import RequestGuard, error_response, route_tag
+from deploy.http_edge import RequestGuard, error_response, install_error_handlers
 from deploy.replica_health import ReplicaHealth
 from deploy.state import REPLICA_DEPLOYMENT, find_router_state
 
@@ -45,41 +42,7 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-@fastapi_app.exception_handler(RequestValidationError)
-async def _invalid_body(request: Request, exc: RequestValidationError):
-    errors = exc.errors()
-    malformed = any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors)
-    detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
-    error = InvalidRequest(f"malformed request body: {detail}") if malformed else SchemaViolation(
-        f"invalid request: {detail}")
-    return _serving_error_response(request, error)
-
-
-@fastapi_app.exception_handler(HTTPException)
-async def _http_error(request: Request, exc: HTTPException):
-    """Starlette's own errors (unknown route, wrong method, a body that is not UTF-8) in the OpenAI shape."""
-    metrics.requests().inc(tags={"route": route_tag(request.scope), "status": str(exc.status_code)})
-    phrase = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")  # not_found, method_not_allowed
-    code = "invalid_request" if exc.status_code == 400 else phrase
-    body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": code}}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-
-@fastapi_app.exception_handler(ServingError)
-async def _serving_error(request: Request, exc: ServingError):
-    return _serving_error_response(request, exc)
-
-
-def _serving_error_response(request: Request, error: ServingError) -> JSONResponse:
-    response = error_response(error)
-    metrics.requests().inc(tags={"route": route_tag(request.scope), "status": str(response.status_code)})
-    return response
-
-
-@fastapi_app.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception):
-    log.exception("unhandled error on %s", request.url.path)
-    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
+install_error_handlers(fastapi_app)
 
 
 @serve.ingress(fastapi_app)

@@ -353,4 +353,7 @@ def test_engine_in_its_own_process_serves_the_same_text(cluster, oai, expected):
         streamed = "".join(c.choices[0].text for c in oai.completions.create(
             model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
         assert streamed == text, model
-    assert all(r["invariants"] == "ok" and r["step_timing"]["decode"]["steps"] > 0 for r in cluster.replicas().values())
+    # The router keeps an adapter's requests on one replica, so one replica may have served them all.
+    reports = cluster.replicas().values()
+    assert all(r["invariants"] == "ok" for r in reports)
+    assert sum(r["step_timing"]["decode"]["steps"] for r in reports) > 0

@@ -161,3 +161,30 @@ class AdapterLoadFailed(AdapterError):
 
     status_code = 422
     code = "adapter_load_failed"
+
+
+class AdapterSourceMissing(AdapterError):
+    """A remote adapter's object does not exist (or its bucket, repository or host does not)."""
+
+    status_code = 404
+    code = "adapter_source_not_found"
+
+
+class AdapterSourceDenied(AdapterInvalid):
+    """The store refused this node's credentials for a remote adapter."""
+
+    code = "adapter_source_denied"
+
+
+class AdapterStoreUnavailable(AdapterLoadFailed):
+    """A remote store is down, slow or gave inconsistent bytes; only adapters not cached on the node fail."""
+
+    status_code = 503
+    error_type = "server_error"
+
+
+class AdapterCacheFull(AdapterLoadFailed):
+    """The node's adapter disk cache cannot make room (its budget or its disk is full of adapters in use)."""
+
+    status_code = 503
+    error_type = "server_error"

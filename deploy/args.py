@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.adapters.format import CONFIG_NAME
+from app.adapters.remote import RemoteStore, is_remote
 from app.engine.config import GiB, EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,10 +22,21 @@ class AppArgs(BaseModel):
     base_model: str = Field(default=str(DEMO_DIR / "base"), description="Path of the base model (transformers format).")
     model_id: str | None = Field(default=None, description="Name of the base model in the API; default: the folder name.")
     adapter_roots: list[str] = Field(default=[str(DEMO_DIR / "adapters")],
-                                     description="Folders adapters may be registered from (symlinks resolved).")
+                                     description="Where adapters may be registered from: local folders (symlinks "
+                                     "resolved) and URI prefixes: s3://bucket/prefix, gs://bucket/prefix, "
+                                     "hf://org (or hf://org/repo), http(s)://host/path.")
     adapters: dict[str, str] | Literal["discover"] = Field(
-        default="discover", description="Adapters registered at start: {name: path}, or 'discover' (every "
+        default="discover", description="Adapters registered at start: {name: path or URI}, or 'discover' (every "
                                         "sub-folder of every root that holds adapter_config.json).")
+    adapter_cache_dir: str | None = Field(
+        default=None, description="The node's disk cache of remote adapters, shared by the replicas on a node and "
+        "kept across restarts. Default: $XDG_CACHE_HOME/lora-serve/adapters, else ~/.cache/lora-serve/adapters.")
+    adapter_cache_bytes: int = Field(default=32 * GiB, ge=1, description="Byte budget of that disk cache; least "
+                                     "recently used adapters not being read are evicted beyond it.")
+    adapter_fetch_workers: int = Field(default=8, ge=1, description="Remote adapters fetched at once per replica, "
+                                       "and 16 MiB ranges of one file fetched at once.")
+    adapter_fetch_timeout_s: float = Field(default=60.0, gt=0, description="Limit of one call to a store; a store "
+                                           "that hangs fails the requests that need it with 503 and Retry-After.")
     build_demo: bool = Field(default=True, description="Generate the tiny demo if base_model is the demo's and missing.")
     num_slots: int | None = Field(default=None, ge=1, description="Override: exactly this many device adapter "
                                   "slots, each given the memory of a max_rank adapter. Default: size by bytes.")
@@ -126,6 +139,8 @@ class AppArgs(BaseModel):
             max_prefill_tokens_per_step=self.max_prefill_tokens_per_step, max_graph_tokens=self.max_graph_tokens,
             cuda_graphs=self.cuda_graphs,
             compile_decode=self.compile_decode,
+            adapter_cache_dir=self.adapter_cache_dir, adapter_cache_bytes=self.adapter_cache_bytes,
+            adapter_fetch_workers=self.adapter_fetch_workers, adapter_fetch_timeout_s=self.adapter_fetch_timeout_s,
         )
 
     def initial_adapters(self) -> dict[str, str]:
@@ -133,6 +148,14 @@ class AppArgs(BaseModel):
             return dict(self.adapters)
         found = {}
         for root in self.adapter_roots:
-            for folder in sorted(Path(root).glob("*/adapter_config.json")):
+            if is_remote(root):
+                store = RemoteStore([root], self.adapter_fetch_timeout_s)
+                try:
+                    for name, uri in store.discover(store.roots[0], CONFIG_NAME).items():
+                        found.setdefault(name, uri)
+                finally:
+                    store.shutdown()
+                continue
+            for folder in sorted(Path(root).glob(f"*/{CONFIG_NAME}")):
                 found.setdefault(folder.parent.name, str(folder.parent))
         return found

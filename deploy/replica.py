@@ -25,8 +25,10 @@ from deploy.state import find_router_state
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
+REGISTER_AT_ONCE = 16  # registrations validated at once while a replica syncs its registry
 ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
-HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk"}
+HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk",
+                "hinted_from_store": "store"}
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -118,8 +120,17 @@ class LoRAReplica:
         """Make this replica's registry equal `wanted` (the application's registry), as far as it can now."""
         async with self._registry_lock:
             self._wanted = dict(wanted)
-            for name in [n for n in self.adapters if n not in wanted] + list(wanted):
+            for name in [n for n in self.adapters if n not in wanted]:
                 await self._sync_one(name)
+            # At once, a few at a time: a remote adapter's validation is a handful of round trips to its store,
+            # and hundreds of them one after another would hold a replica's start for minutes.
+            gate = asyncio.Semaphore(REGISTER_AT_ONCE)
+
+            async def sync(name: str) -> None:
+                async with gate:
+                    await self._sync_one(name)
+
+            await asyncio.gather(*(sync(name) for name in wanted))
 
     async def _sync_one(self, name: str) -> None:
         """Bring the engine's registration of `name` to self._wanted's (caller holds the registry lock).

@@ -41,7 +41,8 @@ class PrefetchMetrics:
     # their adapter was: in a slot (ready or loading), in the host cache (cached or being read), or nowhere.
     hinted_on_device: int = 0
     hinted_in_host: int = 0
-    hinted_from_disk: int = 0
+    hinted_from_disk: int = 0  # local adapters: from their folder; remote ones: from the node's disk cache
+    hinted_from_store: int = 0  # a remote adapter not yet on the node
     hints_received: int = 0
     hints_late: int = 0  # received just after an unhinted arrival of their adapter: that request's, dropped
     hints_duplicate: int = 0  # a second hint for a request already hinted here: ignored (the router sends one)
@@ -81,6 +82,7 @@ class PrefetchMetrics:
             "hinted_on_device": self.hinted_on_device,
             "hinted_in_host": self.hinted_in_host,
             "hinted_from_disk": self.hinted_from_disk,
+            "hinted_from_store": self.hinted_from_store,
             "hints_received": self.hints_received,
             "hints_late": self.hints_late,
             "hints_duplicate": self.hints_duplicate,

@@ -27,10 +27,14 @@ MAX_ABS_WEIGHT = 1e6
 class Residency:
     def __init__(self, config, layout: PageLayout, pool: SlotPool, write_slot: WriteSlot,
                  read_parts: Callable[[str], Mapping], rank_of: Callable[[str], int], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, fetch_ahead: Callable[[list[str]], int] | None = None,
+                 on_node: Callable[[str], bool] | None = None):
         """write_slot: copies a packed adapter into its device pages (LoRASlots.write_slot); runs on the copier.
         read_parts(adapter_id) -> what PageLayout.pack takes; called on disk worker threads.
-        rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs."""
+        rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs.
+        fetch_ahead(adapter_ids), on_node(adapter_id): the node cache of remote adapters (AdapterRegistry):
+        start fetches, nearest need first, and whether an adapter's files are on this node."""
+        self._fetch_ahead, self._on_node = fetch_ahead, on_node
         self.layout, self.pool = layout, pool
         self.device, self.dtype = device, dtype
         self._read_parts, self._rank_of = read_parts, rank_of
@@ -80,6 +84,8 @@ class Residency:
                 self.metrics.hinted_on_device += 1
             elif self.host_cache.has(adapter_id):
                 self.metrics.hinted_in_host += 1
+            elif self._on_node is not None and not self._on_node(adapter_id):
+                self.metrics.hinted_from_store += 1
             else:
                 self.metrics.hinted_from_disk += 1
 
@@ -89,7 +95,14 @@ class Residency:
             self.draining = None
 
     def prefetch(self, queued: list[str], hinted: list[str] = (), incoming: frozenset = frozenset()) -> None:
-        """queued: one adapter per request queued here; hinted: per request waiting in the router for here."""
+        """queued: one adapter per request queued here; hinted: per request waiting in the router for here.
+
+        Remote adapters not yet on this node are fetched to its disk cache first, for hints as for queued
+        requests; a hinted one enters the host and device tiers only once its files are on the node, so that a
+        host read worker and arena pages never wait on the network for a request that has not arrived."""
+        if self._fetch_ahead is not None:
+            self._fetch_ahead([*queued, *hinted])
+            hinted = [adapter_id for adapter_id in hinted if self._on_node(adapter_id)]
         self.pipeline.prefetch([*queued, *hinted], incoming, hinted_from=len(queued))
 
     def is_loading(self) -> bool:

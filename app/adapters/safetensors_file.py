@@ -87,15 +87,17 @@ def _bad_file(adapter_id: str):
     return bad
 
 
-def read_header(adapter_id: str, f) -> AdapterHeader:
+def read_header(adapter_id: str, f, total: int | None = None) -> AdapterHeader:
     """Parse and check the header of the open file `f` from its first bytes, without reading the data, so a
-    padded or truncated file is refused before its size costs anything."""
+    padded or truncated file is refused before its size costs anything. `f` needs only `read`, given the
+    file's size in `total` (a remote file's ranged reads)."""
     bad = _bad_file(adapter_id)
     prefix = f.read(8)
     if len(prefix) < 8:
         raise bad("shorter than its 8-byte header size")
     header_size = int.from_bytes(prefix, "little")
-    total = os.fstat(f.fileno()).st_size
+    if total is None:
+        total = os.fstat(f.fileno()).st_size
     if header_size > min(_MAX_HEADER_BYTES, total - 8):
         raise bad(f"header size {header_size} does not fit the {total}-byte file")
     try:

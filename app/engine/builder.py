@@ -14,7 +14,9 @@ from functools import partial
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from app.adapters.registry import AdapterRegistry, read_adapter
+from app.adapters.node_cache import NodeCache, default_directory
+from app.adapters.registry import AdapterRegistry
+from app.adapters.remote import is_remote
 from app.adapters.targets import target_shapes
 from app.engine.config import EngineConfig
 from app.engine.kv_blocks import BlockManager
@@ -55,8 +57,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
     model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype).to(device).eval()
     max_model_len = model.config.max_position_embeddings
+    remote = any(is_remote(root) for root in config.adapter_roots)
+    cache = NodeCache(config.adapter_cache_dir or default_directory(), config.adapter_cache_bytes) if remote else None
     registry = AdapterRegistry(
-        config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules
+        config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules,
+        cache=cache, fetch_workers=config.adapter_fetch_workers, fetch_timeout_s=config.adapter_fetch_timeout_s,
     )
     shapes = {m: s for m, s in target_shapes(model.config).items() if m.rsplit(".", 1)[1] in config.target_modules}
     layout = PageLayout(shapes, config.max_rank, config.adapter_page_rows)
@@ -67,7 +72,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
     residency = Residency(config, layout, SlotPool(num_pages, num_slots), lora.write_slot,
                           partial(_read_parts, registry), lambda adapter_id: registry.get(adapter_id).rank,
-                          device, dtype)
+                          device, dtype, *((registry.fetch_ahead, registry.on_node) if remote else ()))
     blocks = BlockManager(kv_cache_blocks(config, model.config, dtype, device, max_model_len), config.block_size)
     cache = PagedKVCache.for_model(model.config, blocks.num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, lora, blocks, cache, config.max_batch_size, max_model_len,
@@ -85,7 +90,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
 def _read_parts(registry: AdapterRegistry, adapter_id: str):
     # Worker thread. The residency bound-checks the packed weights (NaN/Inf included), so the
     # registry's own NaN scan would only read every byte a second time.
-    return read_adapter(registry.get(adapter_id), check_finite=False).flat_parts()
+    return registry.read(registry.get(adapter_id), check_finite=False).flat_parts()
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -47,6 +47,12 @@ class EngineConfig:
     max_inflight_loads: int = 2
     hint_ttl_s: float = 30.0
     disk_workers: int = 2
+    # Remote adapters (s3://, gs://, hf://, http(s):// roots): the node's disk cache, shared by its replicas, and
+    # the fetches into it. None: $XDG_CACHE_HOME/lora-serve/adapters (else ~/.cache/lora-serve/adapters).
+    adapter_cache_dir: str | None = None
+    adapter_cache_bytes: int = 32 * GiB
+    adapter_fetch_workers: int = 8  # adapters fetched at once (and ranged parts of one file at once)
+    adapter_fetch_timeout_s: float = 60.0  # one store call's limit; a store that hangs fails with a 503
 
     def __post_init__(self):
         if self.max_prefill_tokens_per_step is None:
@@ -55,7 +61,8 @@ class EngineConfig:
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, got {self.max_graph_tokens}")
         positive = ("adapter_page_rows", "max_rank", "max_batch_size", "max_input_tokens", "max_total_tokens",
-                    "max_queue", "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes")
+                    "max_queue", "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes",
+                    "adapter_cache_bytes", "adapter_fetch_workers")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

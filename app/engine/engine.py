@@ -250,7 +250,10 @@ class LLMEngine:
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         outputs = []
         for adapter_id, cause in self.residency.take_failures().items():
-            error = AdapterLoadFailed(f"adapter {adapter_id!r} could not be loaded: {cause}")
+            # A store's fault keeps its own status (503 with Retry-After); anything else is the adapter's (422).
+            kind = type(cause) if isinstance(cause, AdapterLoadFailed) else AdapterLoadFailed
+            error = kind(f"adapter {adapter_id!r} could not be loaded: {getattr(cause, 'message', cause)}",
+                         retry_after_s=getattr(cause, "retry_after_s", None))
             for request in [r for r in self.waiting if r.adapter_id == adapter_id]:
                 request.finish_reason = "error"
                 self._finish(request)
@@ -303,3 +306,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.residency.shutdown()
+        self.registry.shutdown()

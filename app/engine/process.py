@@ -208,7 +208,8 @@ def _child_main(config: EngineConfig, conn) -> None:
         send(("failed", _picklable(e)))
         return
     loop = _ChildLoop(engine, send)
-    aside = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-aside")
+    # Asides are mostly adapter validations, which wait on disks and stores: a replica syncs up to 16 at once.
+    aside = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-aside")
 
     def reply(call_id: int, future: Future) -> None:
         error = future.exception()

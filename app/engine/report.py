@@ -115,4 +115,5 @@ def metrics(engine: EngineState, drain_stalls: bool = False) -> dict:
         "request_seconds": engine.request_time.as_dict(),
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
+        **({"node_cache": engine.registry.node_snapshot()} if engine.registry.cache is not None else {}),
     }

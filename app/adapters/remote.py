@@ -1,0 +1,291 @@
+"""Adapters kept where users keep them: object stores (s3://, gs://), the Hugging Face Hub (hf://) and HTTP servers.
+
+Every protocol goes through fsspec and its maintained filesystems (s3fs, gcsfs, huggingface_hub's HfFileSystem,
+fsspec's HTTPFileSystem); nothing here speaks a protocol itself. Credentials and endpoints come from the
+environment and the usual config files (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS,
+HF_TOKEN, HF_ENDPOINT, ...), never from a request: a URI that carries credentials, a query or a fragment is
+refused. A URI is served only under one of the configured remote roots, judged on its normalized form, so the
+server cannot be made to fetch arbitrary URLs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+
+from app.errors import (
+    AdapterFormatError,
+    AdapterPathOutsideRoots,
+    AdapterSourceDenied,
+    AdapterSourceMissing,
+    AdapterStoreUnavailable,
+)
+
+REMOTE_SCHEMES = ("s3", "gs", "hf", "http", "https")
+_SCHEME_ALIASES = {"gcs": "gs", "s3a": "s3"}
+_URI_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.DOTALL)
+_FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\?#]")  # control characters, spaces, backslashes, queries, fragments
+PART_BYTES = 16 * 1024 * 1024  # one ranged GET of a large file; parts of one file are fetched at once
+_STORE_RETRY_AFTER_S = 5
+
+
+def is_remote(path: str | Path) -> bool:
+    """Whether `path` names a remote adapter (a URI with a scheme other than file://)."""
+    match = _URI_RE.match(str(path))
+    return match is not None and match["scheme"].lower() != "file"
+
+
+def normalize_uri(uri: str) -> str:
+    """The URI in the one form that containment is judged on, or ValueError saying what is wrong with it.
+
+    Lower-case scheme (gcs:// and s3a:// as gs:// and s3://), no trailing slash; refused: an unknown scheme,
+    credentials (user@host), a query or fragment, '.' / '..' / empty segments, backslashes, control characters,
+    and in http(s) URIs any '%' (a percent-encoded '..' or '/' would pass the check here and be decoded by the
+    server)."""
+    match = _URI_RE.fullmatch(uri)
+    if match is None:
+        raise ValueError(f"{uri!r} is not a URI")
+    scheme = _SCHEME_ALIASES.get(match["scheme"].lower(), match["scheme"].lower())
+    if scheme not in REMOTE_SCHEMES:
+        raise ValueError(f"{uri!r}: scheme {scheme!r} is not served; use one of {', '.join(REMOTE_SCHEMES)}")
+    rest = match["rest"].rstrip("/")
+    if _FORBIDDEN.search(rest):
+        raise ValueError(f"{uri!r}: spaces, control characters, backslashes, queries and fragments are refused")
+    segments = rest.split("/")
+    if "@" in segments[0] or (":" in segments[0] and scheme not in ("http", "https")):
+        raise ValueError(f"{uri!r}: credentials in a URI are refused; they come from the environment")
+    if scheme in ("http", "https") and "%" in rest:
+        raise ValueError(f"{uri!r}: percent-encoding is refused in http(s) adapter URIs")
+    if any(s in ("", ".", "..") for s in segments):
+        raise ValueError(f"{uri!r}: empty, '.' and '..' path segments are refused")
+    host = segments[0].lower() if scheme in ("http", "https") else segments[0]
+    return f"{scheme}://{'/'.join([host, *segments[1:]])}"
+
+
+def _containment_form(uri: str) -> str:
+    # hf://org/repo@revision/... lies under the root hf://org/repo: the revision is not a folder.
+    if uri.startswith("hf://"):
+        segments = uri[len("hf://"):].split("/")
+        repo_at = 2 if segments[0] in ("datasets", "spaces", "models") else 1
+        if len(segments) > repo_at:
+            segments[repo_at] = segments[repo_at].split("@", 1)[0]
+        return "hf://" + "/".join(segments)
+    return uri
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    """One remote file as the store describes it."""
+
+    uri: str
+    size: int
+    version: str  # what changes when the content does: an ETag, a GCS generation, a Hub blob hash
+    checksum: tuple[str, str] | None  # (hashlib algorithm, hex digest) the bytes must have, where the store says
+
+
+def describe(uri: str, info: dict) -> RemoteObject:
+    """The size, version and checksum of a file from its fsspec `info` (the fields differ per store)."""
+    size = info.get("size")
+    if not isinstance(size, int) or size < 0:
+        raise AdapterStoreUnavailable(f"{uri}: the store gave no size for it", retry_after_s=_STORE_RETRY_AFTER_S)
+    lfs = info.get("lfs") or {}
+    checksum = None
+    if isinstance(lfs, dict) and lfs.get("sha256"):  # the Hub: an LFS file's content hash
+        checksum = ("sha256", str(lfs["sha256"]))
+    elif info.get("md5Hash"):  # GCS: base64 of the MD5
+        checksum = ("md5", base64.b64decode(info["md5Hash"]).hex())
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if checksum is None and re.fullmatch(r"[0-9a-f]{32}", etag) and info.get("type") == "file" and "LastModified" in info:
+        checksum = ("md5", etag)  # S3: a single-part upload's ETag is its MD5 (a multipart one ends in -N)
+    version = next((f"{name}:{value}" for name, value in (
+        ("sha256", checksum[1] if checksum and checksum[0] == "sha256" else None),
+        ("blob", info.get("blob_id")),
+        ("generation", info.get("generation")),
+        ("etag", etag or None),
+        ("modified", info.get("LastModified") or info.get("last_modified") or info.get("mtime")),
+    ) if value), f"size:{size}")
+    return RemoteObject(uri, size, f"{version}/{size}", checksum)
+
+
+class RemoteStore:
+    """The remote adapter roots, and reads under them through fsspec (filesystems made once per protocol and
+    host, so connections are reused)."""
+
+    def __init__(self, roots: Sequence[str], timeout_s: float = 60.0, workers: int = 8):
+        self.roots = tuple(normalize_uri(root) for root in roots)
+        self.timeout_s, self.workers = timeout_s, workers
+        self._filesystems: dict[str, fsspec.AbstractFileSystem] = {}
+        self._lock = threading.Lock()
+        self._parts = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch-part")
+
+    def resolve(self, adapter_id: str, uri: str) -> str:
+        """The normalized URI, if it lies under a remote root; AdapterPathOutsideRoots otherwise."""
+        try:
+            normalized = normalize_uri(uri)
+        except ValueError as e:
+            raise AdapterFormatError(f"adapter '{adapter_id}': {e}") from e
+        inside = _containment_form(normalized)
+        if not any(inside == root or inside.startswith(root + "/") for root in map(_containment_form, self.roots)):
+            raise AdapterPathOutsideRoots(
+                f"adapter '{adapter_id}': {normalized} is outside the adapter roots {list(self.roots)}")
+        return normalized
+
+    def under_roots(self, name: str) -> list[str]:
+        """Where a bare name (no scheme, no '/') may lie: under each remote root, in order."""
+        return [f"{root}/{name}" for root in self.roots]
+
+    def filesystem(self, uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        scheme, rest = uri.split("://", 1)
+        key = f"{scheme}://{rest.split('/', 1)[0]}" if scheme in ("http", "https") else scheme
+        with self._lock:
+            fs = self._filesystems.get(key)
+            if fs is None:
+                fs = self._filesystems[key] = fsspec.filesystem(scheme, **self._options(scheme))
+        return fs, fs._strip_protocol(uri) if scheme not in ("http", "https") else uri
+
+    def _options(self, scheme: str) -> dict:
+        # Bounded waits, so that a store that hangs fails its requests instead of holding them.
+        if scheme == "s3":
+            return {"config_kwargs": {"connect_timeout": min(10.0, self.timeout_s), "read_timeout": self.timeout_s,
+                                      "retries": {"max_attempts": 2}}}
+        if scheme in ("http", "https"):
+            import aiohttp
+
+            return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=self.timeout_s, connect=10)}}
+        if scheme == "gs":
+            return {"timeout": self.timeout_s}
+        return {}
+
+    def stat(self, uri: str) -> RemoteObject:
+        fs, path = self.filesystem(uri)
+        with store_errors(uri):
+            fs.invalidate_cache(path)  # listings are cached by fsspec; a changed object must show as changed
+            return describe(uri, fs.info(path))
+
+    def read(self, uri: str, start: int, end: int) -> bytes:
+        fs, path = self.filesystem(uri)
+        with store_errors(uri):
+            return _cat_range(fs, path, start, end)
+
+    def read_all(self, uri: str, limit: int) -> bytes:
+        fs, path = self.filesystem(uri)
+        with store_errors(uri):
+            data = fs.cat_file(path)
+        if len(data) > limit:
+            raise AdapterFormatError(f"{uri} is {len(data)} bytes; at most {limit} are read")
+        return data
+
+    def discover(self, root: str, config_name: str) -> dict[str, str]:
+        """name -> URI of every folder right under `root` that holds `config_name` (one listing on S3 and GCS)."""
+        fs, path = self.filesystem(root)
+        with store_errors(root):
+            fs.invalidate_cache(path)
+            found = fs.glob(f"{path.rstrip('/')}/*/{config_name}")
+        scheme = root.split("://", 1)[0]
+        out = {}
+        for name in sorted(found):
+            folder = name.rsplit("/", 1)[0]
+            uri = folder if "://" in folder else f"{scheme}://{folder}"
+            out.setdefault(uri.rsplit("/", 1)[-1], uri)
+        return out
+
+    def download(self, obj: RemoteObject, dest: Path) -> None:
+        """Write the object to `dest` in PART_BYTES ranges fetched at once, then check its size and, where the
+        store gives one, its checksum. The caller owns `dest` (a temporary name it renames once this returns)."""
+        fs, path = self.filesystem(obj.uri)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, obj.size)
+
+            def part(start: int) -> None:
+                end = min(start + PART_BYTES, obj.size)
+                with store_errors(obj.uri):
+                    data = _cat_range(fs, path, start, end)
+                if len(data) != end - start:
+                    raise AdapterStoreUnavailable(
+                        f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
+                        retry_after_s=_STORE_RETRY_AFTER_S)
+                view = memoryview(data)
+                while view:
+                    view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+
+            for future in [self._parts.submit(part, start) for start in range(0, obj.size, PART_BYTES)]:
+                future.result()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if os.stat(dest).st_size != obj.size:
+            raise AdapterStoreUnavailable(f"{obj.uri}: downloaded {os.stat(dest).st_size} of {obj.size} bytes",
+                                          retry_after_s=_STORE_RETRY_AFTER_S)
+        if obj.checksum is not None:
+            algorithm, expected = obj.checksum
+            digest = hashlib.new(algorithm)
+            with open(dest, "rb") as f:
+                while chunk := f.read(8 * 1024 * 1024):
+                    digest.update(chunk)
+            if digest.hexdigest() != expected:
+                raise AdapterStoreUnavailable(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
+                                              "(the object changed during the download?)",
+                                              retry_after_s=_STORE_RETRY_AFTER_S)
+
+    def shutdown(self) -> None:
+        self._parts.shutdown(wait=False, cancel_futures=True)
+
+
+def _cat_range(fs, path: str, start: int, end: int) -> bytes:
+    if start >= end:
+        return b""
+    return fs.cat_file(path, start=start, end=end)
+
+
+class store_errors:
+    """Maps what a filesystem raises to the errors a client sees, each naming the URI: missing -> 404,
+    denied (credentials, permissions) -> 400, anything else (down, slow, throttled) -> 503 with Retry-After."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None or not isinstance(error, Exception):
+            return False
+        if isinstance(error, (AdapterStoreUnavailable, AdapterFormatError)):
+            return False
+        if isinstance(error, FileNotFoundError):
+            raise AdapterSourceMissing(f"{self.uri} does not exist") from error
+        names = {type(e).__name__ for e in _chain(error)}
+        text = str(error)
+        if isinstance(error, PermissionError) or names & _DENIED or any(w in text for w in _DENIED_WORDS):
+            raise AdapterSourceDenied(f"{self.uri}: the store refused access ({_brief(error)}); check the "
+                                      "credentials in this node's environment") from error
+        raise AdapterStoreUnavailable(f"{self.uri}: the store did not answer ({_brief(error)})",
+                                      retry_after_s=_STORE_RETRY_AFTER_S) from error
+
+
+_DENIED = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+           "GatedRepoError", "InvalidCredentials"}
+_DENIED_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "401 Unauthorized", "403 Forbidden")
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _brief(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__

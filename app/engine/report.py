@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from app.adapters.registry import AdapterRegistry
 from app.engine.model_runner import ModelRunner
 from app.engine.scheduler import Scheduler
 from app.engine.step_timing import StepTiming
@@ -49,6 +50,7 @@ class EngineState(Protocol):
     scheduler: Scheduler
     runner: ModelRunner
     residency: Residency
+    registry: AdapterRegistry
     invariants: InvariantReport
     timing: StepTiming
     hint_lead: Histogram
@@ -86,7 +88,13 @@ def routing_stats(engine: EngineState) -> dict:
                                                  "hints_duplicate")},
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         "step_timing": engine.timing.summary(),
+        **node_cache(engine),
     }
+
+
+def node_cache(engine: EngineState) -> dict:
+    """The node cache's counters, where the engine serves remote adapters."""
+    return {"node_cache": engine.registry.node_snapshot()} if engine.registry.cache is not None else {}
 
 
 def metrics(engine: EngineState, drain_stalls: bool = False) -> dict:
@@ -115,5 +123,5 @@ def metrics(engine: EngineState, drain_stalls: bool = False) -> dict:
         "request_seconds": engine.request_time.as_dict(),
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         **engine.residency.snapshot(),
-        **({"node_cache": engine.registry.node_snapshot()} if engine.registry.cache is not None else {}),
+        **node_cache(engine),
     }

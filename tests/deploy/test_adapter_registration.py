@@ -1,12 +1,41 @@
-"""Runtime adapter registration end to end: one answer per name, and no request served with replaced weights."""
+"""Runtime adapter registration end to end: one answer per name, no request served with replaced weights, and
+adapters registered from an S3-protocol store (moto's server, a real process) served with their local tokens."""
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
+
+from store_helpers import MotoServer
 
 PROMPT = "Tell me a story."
+CLUSTER_ARGS = None  # deployed by the `cluster` fixture below, with an s3:// root beside the demo's folder
+
+
+@pytest.fixture(scope="module")
+def store(monkeypatch_module):
+    """Started before the cluster, so that every Ray process inherits its endpoint and keys."""
+    server = MotoServer()
+    server.use(monkeypatch_module)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def bucket(store, demo_dir):
+    bucket = store.bucket()
+    for name in ("pirate", "robot"):
+        bucket.put_folder(demo_dir / "adapters" / name, f"demo/{name}")
+    return bucket
+
+
+@pytest.fixture(scope="module")
+def cluster(bucket, cluster, demo_dir, tmp_path_factory):
+    cluster.deploy(replicas=2, adapter_roots=[str(demo_dir / "adapters"), bucket.uri("demo")],
+                   adapter_cache_dir=str(tmp_path_factory.mktemp("node-cache")))
+    return cluster
 
 
 def complete(cluster, model, **kw):
@@ -107,3 +136,50 @@ def test_concurrent_registrations_of_one_name_get_one_success(cluster, demo_dir)
         roots = {m["id"]: m["root"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]}
         assert roots[name].endswith("/" + paths[created[0] % 2])
         assert httpx.delete(f"{cluster.url}/v1/adapters/{name}").status_code == 200
+
+
+def node_downloads(cluster, settle_s: float = 3.0) -> int:
+    """Downloads into the node cache, summed over the replicas' reports once they stop changing (each report is
+    up to 0.5 s old)."""
+    last, deadline = None, time.time() + settle_s
+    while time.time() < deadline:
+        now = sum(r["node_cache"]["downloads"] for r in cluster.replicas().values())
+        if now == last and now > 0:
+            return now
+        last = now
+        time.sleep(0.6)
+    return last
+
+
+def test_adapter_from_s3_serves_its_local_tokens(cluster, bucket):
+    expected = texts(cluster)
+    created = register(cluster, "pirate-s3", bucket.uri("demo", "pirate"))
+    assert created.status_code == 201, created.text
+    assert created.json()["root"] == bucket.uri("demo", "pirate")
+    assert complete(cluster, "pirate-s3").json()["choices"][0]["text"] == expected["pirate"]
+    streamed = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "model": "pirate-s3", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
+    chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(httpx.Response(200, content=c).json()["choices"][0]["text"] for c in chunks) == expected["pirate"]
+    assert node_downloads(cluster) == 1  # one download, though both replicas may have read it: they share it
+    # Outside the roots, missing, or carrying credentials: refused by name, nothing fetched.
+    for path, status, code in ((bucket.uri("elsewhere", "pirate"), 400, "adapter_path_outside_roots"),
+                               (bucket.uri("demo", "nobody"), 404, "adapter_source_not_found"),
+                               ("s3://key:secret@" + bucket.uri("demo", "pirate")[5:], 400, "adapter_format")):
+        refused = register(cluster, "refused", path)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (status, code), refused.text
+
+
+def test_store_down_fails_only_the_adapters_the_node_does_not_hold(cluster, bucket, store):
+    """Last in the module: it stops the store."""
+    expected = texts(cluster)
+    assert register(cluster, "robot-s3", bucket.uri("demo", "robot")).status_code == 201
+    assert complete(cluster, "pirate-s3").json()["choices"][0]["text"] == expected["pirate"]  # on the node
+    store.stop()
+    failed = complete(cluster, "robot-s3")
+    assert failed.status_code == 503, failed.text
+    assert failed.json()["error"]["code"] == "adapter_load_failed" and "robot" in failed.json()["error"]["message"]
+    assert int(failed.headers["retry-after"]) >= 1
+    assert complete(cluster, "pirate-s3").json()["choices"][0]["text"] == expected["pirate"]
+    assert texts(cluster) == expected
+    assert all(r["invariants"] == "ok" for r in cluster.replicas().values())

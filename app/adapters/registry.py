@@ -250,11 +250,14 @@ class AdapterRegistry:
             raise type(e)(f"adapter '{adapter_id}': {e.message}", retry_after_s=e.retry_after_s) from e
 
     def _check_remote(self, adapter_id: str, uri: str) -> AdapterSpec:
-        config_object = self.store.stat(f"{uri}/{CONFIG_NAME}")
-        weights_object = self.store.stat(f"{uri}/{WEIGHTS_NAME}")
+        weights_object = self._stat_remote(adapter_id, uri, WEIGHTS_NAME)
+        config_object = self._stat_remote(adapter_id, uri, CONFIG_NAME)
         if weights_object.size > self.max_adapter_bytes:
             raise AdapterTooLarge(f"adapter '{adapter_id}': {weights_object.uri} is {weights_object.size} bytes > "
                                   f"max_adapter_bytes {self.max_adapter_bytes}")
+        if config_object.size > _MAX_CONFIG_BYTES:  # before reading it
+            raise AdapterFormatError(f"adapter '{adapter_id}': {config_object.uri} is {config_object.size} bytes; "
+                                     f"at most {_MAX_CONFIG_BYTES} are read")
         config_bytes = self.store.read_all(config_object.uri, _MAX_CONFIG_BYTES)
         with tempfile.TemporaryDirectory() as scratch:  # PEFT parses configs from files
             config_file = Path(scratch) / CONFIG_NAME
@@ -263,6 +266,22 @@ class AdapterRegistry:
         header = read_header(adapter_id, _RangedReader(self.store, weights_object.uri), weights_object.size)
         return self._spec(adapter_id, uri, header, config, weights_object.size,
                           remote=RemoteFiles(config_object, weights_object))
+
+    def _stat_remote(self, adapter_id: str, uri: str, name: str) -> RemoteObject:
+        """One file of a remote folder; missing from a folder that exists, it is refused as `_find_files` refuses
+        it locally (a missing folder stays AdapterSourceMissing)."""
+        try:
+            return self.store.stat(f"{uri}/{name}")
+        except AdapterSourceMissing:
+            present = self.store.names(uri)
+            if not present:
+                raise
+        pickles = [n for n in present if n.endswith(PICKLE_SUFFIXES)]
+        if name == WEIGHTS_NAME and pickles:
+            raise AdapterFormatError(
+                f"adapter '{adapter_id}': pickle weights {pickles} are refused (loading them can run code); "
+                f"re-save with save_pretrained(..., safe_serialization=True) to get {WEIGHTS_NAME}")
+        raise AdapterFormatError(f"adapter '{adapter_id}': {uri} has no {name}")
 
     def _spec(self, adapter_id: str, path: Path | str, header: AdapterHeader, config, nbytes: int,
               weights_file: Path | None = None, remote: RemoteFiles | None = None) -> AdapterSpec:
@@ -383,8 +402,11 @@ class AdapterRegistry:
             for obj, name in ((files.config, CONFIG_NAME), (files.weights, WEIGHTS_NAME)):
                 self.store.download(obj, folder / name)
             if changed:  # before the rename makes it visible to anyone
-                self._check_same(spec, self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME,
-                                                            folder / CONFIG_NAME))
+                try:
+                    now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)
+                except AdapterInvalid as e:  # a read fails as `read_adapter` fails: AdapterLoadFailed
+                    raise AdapterLoadFailed(f"{e.message} (its new version in the store; re-register it)") from e
+                self._check_same(spec, now)
 
         with self.cache.entry(CacheKey(str(spec.path), files.version), nbytes, fill) as folder:
             yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
@@ -409,7 +431,9 @@ class AdapterRegistry:
             raise AdapterFormatError(f"adapter '{adapter_id}': cannot expand {str(path)!r}: {e}") from e
         if not candidate.is_absolute() and not candidate.exists():
             under_roots = [root / candidate for root in self.roots]
-            candidate = next((p for p in under_roots if p.exists()), under_roots[0] if under_roots else candidate)
+            if not under_roots:  # remote roots only, and `_remote_uri` found it under none of them
+                raise AdapterFormatError(f"adapter '{adapter_id}': no such directory {str(path)!r} under {self._roots}")
+            candidate = next((p for p in under_roots if p.exists()), under_roots[0])
         folder = self._inside_roots(adapter_id, candidate, "folder")
         if not folder.is_dir():
             raise AdapterFormatError(f"adapter '{adapter_id}': no such directory {str(path)!r} under {self._roots}")

@@ -16,7 +16,7 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +82,12 @@ def _containment_form(uri: str) -> str:
     return uri
 
 
+def _is_under(uri: str, root: str) -> bool:
+    if _containment_form(root) == root:  # a root that names a Hub revision admits that revision only
+        uri = _containment_form(uri)
+    return uri == root or uri.startswith(root + "/")
+
+
 @dataclass(frozen=True)
 class RemoteObject:
     """One remote file as the store describes it."""
@@ -111,7 +117,8 @@ def describe(uri: str, info: dict) -> RemoteObject:
         ("blob", info.get("blob_id")),
         ("generation", info.get("generation")),
         ("etag", etag or None),
-        ("modified", info.get("LastModified") or info.get("last_modified") or info.get("mtime")),
+        ("modified", info.get("LastModified") or info.get("Last-Modified") or info.get("last_modified")
+         or info.get("mtime")),
     ) if value), f"size:{size}")
     return RemoteObject(uri, size, f"{version}/{size}", checksum)
 
@@ -133,8 +140,7 @@ class RemoteStore:
             normalized = normalize_uri(uri)
         except ValueError as e:
             raise AdapterFormatError(f"adapter '{adapter_id}': {e}") from e
-        inside = _containment_form(normalized)
-        if not any(inside == root or inside.startswith(root + "/") for root in map(_containment_form, self.roots)):
+        if not any(_is_under(normalized, root) for root in self.roots):
             raise AdapterPathOutsideRoots(
                 f"adapter '{adapter_id}': {normalized} is outside the adapter roots {list(self.roots)}")
         return normalized
@@ -150,6 +156,8 @@ class RemoteStore:
             fs = self._filesystems.get(key)
             if fs is None:
                 fs = self._filesystems[key] = fsspec.filesystem(scheme, **self._options(scheme))
+                if scheme == "s3":  # botocore retries already (config_kwargs): s3fs's own 5 on top of them made
+                    fs.retries = 1  # a store that hangs take 15 timeouts (fsspec shares `fs` only with like options)
         return fs, fs._strip_protocol(uri) if scheme not in ("http", "https") else uri
 
     def _options(self, scheme: str) -> dict:
@@ -183,6 +191,16 @@ class RemoteStore:
         if len(data) > limit:
             raise AdapterFormatError(f"{uri} is {len(data)} bytes; at most {limit} are read")
         return data
+
+    def names(self, uri: str) -> list[str]:
+        """The names right under the folder `uri`; [] where there is no such folder."""
+        fs, path = self.filesystem(uri)
+        try:
+            with store_errors(uri):
+                fs.invalidate_cache(path)
+                return sorted({name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)})
+        except AdapterSourceMissing:
+            return []
 
     def discover(self, root: str, config_name: str) -> dict[str, str]:
         """name -> URI of every folder right under `root` that holds `config_name` (one listing on S3 and GCS)."""
@@ -218,8 +236,14 @@ class RemoteStore:
                 while view:
                     view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
 
-            for future in [self._parts.submit(part, start) for start in range(0, obj.size, PART_BYTES)]:
-                future.result()
+            futures = [self._parts.submit(part, start) for start in range(0, obj.size, PART_BYTES)]
+            try:
+                for future in futures:
+                    future.result()
+            finally:  # no part may write once the fd is closed: its number could belong to another file by then
+                for future in futures:
+                    future.cancel()
+                wait(futures)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -244,7 +268,9 @@ class RemoteStore:
 def _cat_range(fs, path: str, start: int, end: int) -> bytes:
     if start >= end:
         return b""
-    return fs.cat_file(path, start=start, end=end)
+    data = fs.cat_file(path, start=start, end=end)
+    # A server that ignores Range (python -m http.server) answers with the whole file.
+    return data[start:end] if len(data) > end - start else data
 
 
 class store_errors:
@@ -262,20 +288,31 @@ class store_errors:
             return False
         if isinstance(error, (AdapterStoreUnavailable, AdapterFormatError)):
             return False
-        if isinstance(error, FileNotFoundError):
+        fault = error
+        if isinstance(error, FileNotFoundError) and error.__cause__ is not None and not _is_missing(error.__cause__):
+            fault = error.__cause__  # fsspec's HTTP `info` turns every failure (a timeout, a 403) into this
+        if _is_missing(fault):
             raise AdapterSourceMissing(f"{self.uri} does not exist") from error
-        names = {type(e).__name__ for e in _chain(error)}
-        text = str(error)
-        if isinstance(error, PermissionError) or names & _DENIED or any(w in text for w in _DENIED_WORDS):
-            raise AdapterSourceDenied(f"{self.uri}: the store refused access ({_brief(error)}); check the "
+        status = getattr(fault, "status", None)  # aiohttp's, from fsspec's HTTP filesystem
+        names = {type(e).__name__ for e in _chain(fault)}
+        text = str(fault)
+        if (isinstance(fault, PermissionError) or status in (401, 403) or names & _DENIED
+                or any(w in text for w in _DENIED_WORDS)):
+            raise AdapterSourceDenied(f"{self.uri}: the store refused access ({_brief(fault)}); check the "
                                       "credentials in this node's environment") from error
-        raise AdapterStoreUnavailable(f"{self.uri}: the store did not answer ({_brief(error)})",
+        raise AdapterStoreUnavailable(f"{self.uri}: the store did not answer ({_brief(fault)})",
                                       retry_after_s=_STORE_RETRY_AFTER_S) from error
 
 
 _DENIED = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",
            "GatedRepoError", "InvalidCredentials"}
 _DENIED_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "401 Unauthorized", "403 Forbidden")
+
+
+def _is_missing(error: BaseException) -> bool:
+    return (isinstance(error, FileNotFoundError) or getattr(error, "status", None) in (404, 410)
+            or type(error).__name__.endswith("NotFoundError")  # the Hub's repository, revision and entry
+            or "NoSuchBucket" in str(error))  # s3fs's listings pass it on untranslated
 
 
 def _chain(error: BaseException):

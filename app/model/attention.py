@@ -208,7 +208,7 @@ def _prefill_varlen(q, k_cache, v_cache, meta: AttentionMetadata, scale, window)
 
 
 def kernel_supports(head_dim: int, device: torch.device) -> bool:
-    return device.type == "cuda" and kernels.triton is not None and head_dim in (64, 128)
+    return device.type == "cuda" and kernels.triton is not None and head_dim in kernels.HEAD_DIMS
 
 
 def varlen_supports(arch: Architecture, model_config) -> bool:

@@ -1,17 +1,22 @@
 """The engine core's decode step and prefill against the hardware floor, measured in the same run (CUDA).
 
-Llama-3-8B shapes, random bf16 weights built on the GPU, rank-16 adapters on all seven targets in
-`--slots` slots. The model runner (paged KV cache, GQA paged attention, segmented LoRA, one CUDA graph
-per batch bucket) runs:
+A published model's shapes (`--shape`: Llama-3-8B by default, Qwen2.5-7B, Gemma-2-9B), its config built by
+transformers' own config class and the model by transformers' own code, random bf16 weights built on the GPU,
+rank-16 adapters on all seven targets in `--slots` slots. The model runner (paged KV cache, GQA paged attention,
+segmented LoRA, one CUDA graph per batch bucket) runs:
 - decode steps at each batch size, context `--context`, base rows and rows over D distinct adapters:
   the graph replay alone (GPU time, CUDA events), and a whole `execute()` (host input preparation +
   copies + replay) timed on the host; `--runs` repetitions give the run-to-run spread;
 - the same decode step eagerly (no graph) at one batch size, for comparison;
 - a prefill of 8 prompts x 512 tokens in one step, as achieved TFLOP/s against a bf16 GEMM.
-Floors: weight bytes / HBM read rate (a read-only sum over 8 GiB); LoRA: bytes of the distinct
-adapters read once / the same rate. Prints one JSON line per measurement; --out writes them all.
+Floors: the model's weight bytes (every parameter once; a tied embedding counts once) / HBM read rate (a
+read-only sum over 8 GiB); LoRA: bytes of the distinct adapters read once / the same rate; K/V: the cache bytes
+the step's attention reads (each layer's window applied) / the same rate, beside the step and beside its
+attention alone (every layer's decode kernel in one graph). Prints one JSON line per measurement; --out writes
+them all. --dry-run builds the shape on the meta device (no GPU) and prints its bytes.
 
     python -m bench.engine.decode --batches 1 8 32 64 --context 512 --out bench/results/h100-x1-decode.json
+    python -m bench.engine.decode --shape gemma-2-9b --dry-run
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
+from app.model.architectures import check_supported, head_dim
 from app.model.attention import PagedKVCache
+from app.model.kernels import attention as attention_kernels
 from app.model.kernels import lora as lora_kernels
 from app.engine.kv_blocks import BlockManager
 from app.model.lora import LoRASlots
@@ -36,6 +44,65 @@ from app.adapters.targets import target_shapes
 from bench.common import timed_ms
 from prefetch.layout import PageLayout
 
+# name -> (config class, model class, the published model's config.json fields that shape its decode step)
+SHAPES = {
+    "llama-3-8b": (LlamaConfig, LlamaForCausalLM, dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)),
+    # Qwen2's attention always has q/k/v biases; its window is off (use_sliding_window false)
+    "qwen2.5-7b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        use_sliding_window=False, tie_word_embeddings=False)),
+    # head_dim 256; every other layer (sliding_attention) attends within 4096 tokens; norms x * (1 + w)
+    "gemma-2-9b": (Gemma2Config, Gemma2ForCausalLM, dict(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, sliding_window=4096, tie_word_embeddings=True)),
+}
+
+
+def shape_config(shape: str, layers: int | None = None):
+    config_class, _, fields = SHAPES[shape]
+    return config_class(**{**fields, "num_hidden_layers": layers or fields["num_hidden_layers"]})
+
+
+def kv_read_bytes(config, batch: int, length: int) -> int:
+    """K/V bytes (bf16) the decode attention reads for `batch` rows that each attend `length` cached tokens."""
+    per_token = 2 * config.num_key_value_heads * head_dim(config) * 2
+    windows = check_supported(config).windows(config)
+    return sum(batch * min(length, window or length) * per_token for window in windows)
+
+
+def describe(config, model, args) -> dict:
+    """What the result records of the shape: its dimensions and what its attention computes."""
+    arch = check_supported(config)
+    windows = [w for w in arch.windows(config) if w is not None]
+    embedding = model.get_input_embeddings().weight
+    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads, head_dim=head_dim(config), vocab=config.vocab_size,
+                tied_embeddings=sum(p is embedding for _, p in model.named_parameters(remove_duplicate=False)) > 1,
+                windowed_layers=len(windows), window=max(windows, default=None),
+                window_passed=any(args.context + 1 > w for w in windows),  # at --context, the new token included
+                attn_softcap=arch.attention_softcap(config), final_softcap=arch.logit_softcap(config))
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a tied one once
+
+
+def build_model(args, dev):
+    config = shape_config(args.shape, args.layers)
+    _, model_class, _ = SHAPES[args.shape]
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = model_class(config).eval()
+    torch.set_default_dtype(torch.float32)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    return config, model
 
 
 @dataclass(eq=False)
@@ -74,17 +141,7 @@ def profile_table(fn, title: str, steps: int = 3) -> None:
 
 
 def build(args, dev):
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                         rope_theta=500000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        model = LlamaForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
-    for p in model.parameters():
-        p.data.normal_(0, 0.02)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    config, model = build_model(args, dev)
     layout = PageLayout(target_shapes(config), max_rank=args.rank)
     max_batch = max(args.batches)
     lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots,  # t_cap: the eager warm-up's step too
@@ -98,21 +155,54 @@ def build(args, dev):
     adapter_bytes = layout.adapter_nbytes(args.rank, torch.bfloat16)
     per_seq = -(-(max(args.context, 512) + 2) // 16)
     blocks = BlockManager(2 + per_seq * (max_batch + 8), 16)
-    cache = PagedKVCache(config.num_hidden_layers, blocks.num_blocks, 16, 8, 128, torch.bfloat16, dev)
+    cache = PagedKVCache.for_model(config, blocks.num_blocks, 16, torch.bfloat16, dev)
     t0 = time.perf_counter()
     runner = ModelRunner(model, lora, blocks, cache, max_batch, config.max_position_embeddings, use_graphs=True,
                          compile_decode=args.compile, max_graph_tokens=getattr(args, "max_graph_tokens", 0))
     capture_s = time.perf_counter() - t0
-    return model, lora, blocks, runner, weight_bytes, adapter_bytes, capture_s
+    if runner.cuda_graphs is None:  # the figures would be of eager reference attention, not the engine's decode
+        raise SystemExit(f"{args.shape}: decode runs without CUDA graphs (Triton decode attention takes head_dim "
+                         f"{attention_kernels.HEAD_DIMS}, this model has {runner.head_dim})")
+    return model, lora, blocks, runner, weight_bytes(model), adapter_bytes, capture_s
 
 
-def main():
+def attention_alone(runner, bucket: int, iters: int) -> tuple[float, float]:
+    """GPU ms of the decode step's attention alone: every layer's kernel (its window and cap) in one CUDA graph,
+    over the bucket's static block tables and lengths as the last replayed step left them; and the last layer's
+    largest error against the fp32 reference, relative to its largest output."""
+    config, graphs, cache = runner.model.config, runner.cuda_graphs, runner.cache
+    q = torch.randn(bucket, config.num_attention_heads, runner.head_dim, dtype=cache.k.dtype, device=cache.k.device)
+    out = torch.empty_like(q)
+    tables, lens = graphs.static_tables[:bucket], graphs.static_lens[:bucket]
+    workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, tables, runner.block_size)
+    cap, scale = runner.arch.attention_softcap(config), runner.model.model.layers[0].self_attn.scaling
+
+    def step():
+        for layer, window in enumerate(runner.arch.windows(config)):
+            attention_kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], tables, lens, scale, out=out,
+                                                     workspace=workspace, window=window, softcap=cap)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ms = statistics.median(cuda_ms(graph.replay, iters))
+    layer, window = config.num_hidden_layers - 1, runner.arch.windows(config)[-1]
+    expected = attention_kernels.paged_decode_reference(q.float(), cache.k[layer].float(), cache.v[layer].float(),
+                                                        tables, lens, scale, window, cap)
+    error = (out.float() - expected).abs().max().item() / expected.abs().max().item()
+    return ms, error
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama-3-8b", help="the published model's shapes")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--runs", type=int, default=5, help="repetitions of each decode measurement (spread)")
     parser.add_argument("--eager-batch", type=int, default=32)
@@ -120,9 +210,9 @@ def main():
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
     parser.add_argument("--lora-block-m", type=int, help="tokens per tile of the LoRA kernels' decode config")
+    parser.add_argument("--dry-run", action="store_true", help="build on the meta device, print the bytes, exit")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    dev = torch.device("cuda")
+    args = parser.parse_args(argv)
     lines = []
     if args.lora_block_m:
         lora_kernels.DECODE = replace(lora_kernels.DECODE, block_m=args.lora_block_m)
@@ -130,6 +220,14 @@ def main():
     def emit(**kw):
         print(json.dumps(kw), flush=True)
         lines.append(kw)
+
+    if args.dry_run:
+        config, model = build_model(args, torch.device("meta"))
+        kv_gb = {batch: round(kv_read_bytes(config, batch, args.context + 1) / 1e9, 3) for batch in args.batches}
+        emit(variant="shape", shape=args.shape, weights_gb=round(weight_bytes(model) / 1e9, 2),
+             **describe(config, model, args), kv_read_gb=kv_gb)
+        return lines
+    dev = torch.device("cuda")
 
     buf = torch.empty(4 << 30, dtype=torch.bfloat16, device=dev).normal_()
     read_gbs = buf.numel() * 2 / (statistics.median(cuda_ms(buf.sum, 10)) / 1e3) / 1e9
@@ -139,11 +237,14 @@ def main():
     del a
     torch.cuda.empty_cache()
 
-    model, lora, blocks, runner, weight_bytes, adapter_bytes, capture_s = build(args, dev)
-    floor_ms = weight_bytes / read_gbs / 1e6
-    emit(variant="floor", weights_gb=round(weight_bytes / 1e9, 2), hbm_read_gbs=round(read_gbs), floor_ms=round(floor_ms, 3),
-         gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1), graph_capture_s=round(capture_s, 1),
-         buckets=runner.graph_batches, compiled=runner.compiled, lora_decode_block_m=lora_kernels.DECODE.block_m, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    model, lora, blocks, runner, nbytes, adapter_bytes, capture_s = build(args, dev)
+    config = model.config
+    floor_ms = nbytes / read_gbs / 1e6
+    emit(variant="floor", shape=args.shape, weights_gb=round(nbytes / 1e9, 2), hbm_read_gbs=round(read_gbs),
+         floor_ms=round(floor_ms, 3), gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1),
+         graph_capture_s=round(capture_s, 1), buckets=runner.graph_batches, compiled=runner.compiled,
+         lora_decode_block_m=lora_kernels.DECODE.block_m, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+         **describe(config, model, args))
 
     # Prefill: 8 prompts x 512 tokens, one step, 8 distinct adapters
     n_prompts = args.prefill_tokens // 512
@@ -157,7 +258,8 @@ def main():
         times = cuda_ms(lambda: runner.execute(plan), 5)
         if os.environ.get("PROFILE"):
             profile_table(lambda: runner.execute(plan), f"prefill, {distinct} distinct adapters")
-        flops = 2 * linear_params * args.prefill_tokens + 4 * 32 * 128 * n_prompts * 512 * 512 / 2 * args.layers
+        attention_flops = 4 * config.num_attention_heads * runner.head_dim * n_prompts * 512 * 512 / 2
+        flops = 2 * linear_params * args.prefill_tokens + attention_flops * config.num_hidden_layers
         ms = statistics.median(times)
         emit(variant="prefill", prompts=n_prompts, tokens=args.prefill_tokens, distinct=distinct, ms=round(ms, 2),
              tflops=round(flops / ms / 1e9, 1), ratio_to_gemm=round(flops / ms / 1e9 / gemm_tflops, 3))
@@ -186,10 +288,20 @@ def main():
                 profile_table(graph.graph.replay, f"decode graph replay, batch 32, {distinct} distinct adapters")
             ms = statistics.median(replay)
             lora_floor = distinct * adapter_bytes / read_gbs / 1e6
-            emit(variant="decode", batch=batch, bucket=graph.batch, context=args.context, distinct=distinct,
-                 ms=round(ms, 3), ratio_to_floor=round(ms / floor_ms, 3),
+            kv_bytes = kv_read_bytes(config, batch, args.context + 1)
+            kv_floor = kv_bytes / read_gbs / 1e6
+            attention = {}
+            if distinct == 0:
+                attention_ms, attention_error = attention_alone(runner, graph.batch, args.iters)
+                attention = dict(attention_ms=round(attention_ms, 3),
+                                 attention_ratio_to_kv_floor=round(attention_ms / kv_floor, 3),
+                                 attention_error=float(f"{attention_error:.2g}"))
+            emit(variant="decode", shape=args.shape, batch=batch, bucket=graph.batch, context=args.context,
+                 distinct=distinct, ms=round(ms, 3), ratio_to_floor=round(ms / floor_ms, 3),
                  lora_floor_ms=round(lora_floor, 3), floor_with_lora_ms=round(floor_ms + lora_floor, 3),
                  ratio_to_floor_with_lora=round(ms / (floor_ms + lora_floor), 3),
+                 kv_read_gb=round(kv_bytes / 1e9, 3), kv_floor_ms=round(kv_floor, 3),
+                 ratio_to_floor_with_kv=round(ms / (floor_ms + kv_floor), 3), **attention,
                  run_medians_ms=[round(x, 3) for x in replay],
                  spread=round((max(replay) - min(replay)) / min(replay), 4),
                  execute_ms=round(statistics.median(whole), 3),
@@ -215,9 +327,11 @@ def main():
 
     if args.out:
         meta = {"command": "python -m bench.engine.decode " + " ".join(os.sys.argv[1:]),
-                "commit": os.environ.get("LORA_GIT_COMMIT", ""), "device": torch.cuda.get_device_name()}
+                "commit": os.environ.get("LORA_GIT_COMMIT", ""), "device": torch.cuda.get_device_name(),
+                "shape": args.shape}
         with open(args.out, "w") as f:
             json.dump({**meta, "results": lines}, f, indent=1)
+    return lines
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ Decode semantics (the loop the kernel replaces):
 
 The Triton kernel (flash-decoding split-K): one program per (row, kv head, kv split) loads the G query heads of
 its group as one tile, so every K/V token is read once per kv head; a small kernel merges the splits by their
-log-sum-exp. The grid comes from static shapes only and lengths are read on the device, so one launch is
-capturable in a CUDA graph and replays correctly after context_lens / block_tables change in place.
+log-sum-exp. It takes head sizes 64, 128 and 256 (Gemma 2 and 3). The grid comes from static shapes only and
+lengths are read on the device, so one launch is capturable in a CUDA graph and replays correctly after
+context_lens / block_tables change in place.
 Written here (no library ships a paged GQA decode kernel for this layout we can depend on).
 """
 
@@ -47,6 +48,13 @@ _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64  # a split shorter than one K/V tile wastes a program
 _MAX_SPLITS = 64
 _LONG_SPLIT_TOKENS = 1024  # from here on, 128-token tiles
+HEAD_DIMS = (64, 128, 256)  # the head sizes the Triton kernel takes
+# Above head_dim 128 a tile holds proportionally fewer tokens, so its K and V tiles keep the bytes (and the shared
+# memory of their pipeline stages) of head_dim 128's: at 256, 64 x 256 where 128 has 128 x 128 (2 stages of K and
+# V: 128 KB of an H100 SM's 228 KB). The accumulator, GROUP_PAD x 256 fp32 over 4 warps, is 32 registers a thread;
+# the split merge runs 8 warps at 256, so its 64 x 256 partials take the registers 64 x 128 take over 4. (Set by
+# this estimate; the tile sweep of bench/kernel/attention.py runs at head_dim 128.)
+_TILE_HEAD_DIM = 128
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,8 +194,9 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, out):
                          f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if head_dim not in (64, 128) or k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim must be 64 or 128 in q and cache; got {head_dim} and {k_cache.shape[3]}")
+    if head_dim not in HEAD_DIMS or k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} in q and cache; got {head_dim} and "
+                         f"{k_cache.shape[3]}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -231,7 +240,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = workspace.num_splits
     if block_n is None:
         tokens_per_split = block_tables.shape[1] * block_size // num_splits
-        block_n = max(128 if tokens_per_split >= _LONG_SPLIT_TOKENS else 64, block_size)
+        block_n = tile_tokens(head_dim, tokens_per_split, block_size)
     split = num_splits > 1
     partial, lse = workspace.partial_out, workspace.partial_lse
     if window is not None and window < 1:
@@ -254,8 +263,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4)
+            num_warps=4 if head_dim <= _TILE_HEAD_DIM else 8)
     return out
+
+
+def tile_tokens(head_dim: int, tokens_per_split: int, block_size: int) -> int:
+    """Tokens per K/V tile: 128 on long splits, else 64, fewer above head_dim 128 (same bytes), at least a block."""
+    block_n = 128 if tokens_per_split >= _LONG_SPLIT_TOKENS else 64
+    if head_dim > _TILE_HEAD_DIM:
+        block_n = block_n * _TILE_HEAD_DIM // head_dim
+    return max(block_n, block_size)
 
 
 if triton is not None:

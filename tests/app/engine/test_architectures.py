@@ -176,18 +176,20 @@ def bf16_reference(root, adapter, prompt):
     return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0].float().cpu() for s in out.scores], logits
 
 
-GPU_CASES = ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3", "phi3"]
+# (case, head_dim, compile_decode): Gemma 2 also at its real head size, decoded as the benches run it (compiled)
+GPU_CASES = [(name, 64, False) for name in ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3",
+                                            "phi3"]] + [("gemma2", 256, True)]
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("name", GPU_CASES)
+@pytest.mark.parametrize("name, head_dim, compiled", GPU_CASES)
 @pytest.mark.parametrize("max_graph_tokens", [512, 0])  # 0: prefill runs eagerly (varlen flash, or SDPA)
-def test_bf16_on_cuda_agrees_with_peft(tmp_path, demo_dir, name, max_graph_tokens):
-    """head_dim 64, so decode runs the Triton kernel (with the layer's window and cap) in CUDA graphs."""
-    build_case(tmp_path, name, Path(demo_dir) / "base", head_dim=64)
+def test_bf16_on_cuda_agrees_with_peft(tmp_path, demo_dir, name, head_dim, compiled, max_graph_tokens):
+    """head_dim 64 or 256, so decode runs the Triton kernel (with the layer's window and cap) in CUDA graphs."""
+    build_case(tmp_path, name, Path(demo_dir) / "base", head_dim=head_dim)
     engine = LLMEngine(engine_config(tmp_path, device="cuda", dtype="bfloat16", num_slots=4, max_batch_size=8,
-                                     compile_decode=False, max_graph_tokens=max_graph_tokens))
+                                     compile_decode=compiled, max_graph_tokens=max_graph_tokens))
     try:
         assert engine.runner.use_kernel and engine.runner.graphs
         for adapter in ["all", "some"]:

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from app.model import attention as attention_module
+from app.model.kernels import attention as kernels
 from app.model.kernels.attention import (decode_workspace, paged_decode_attention, paged_decode_reference,
-                                         paged_prefill_reference)
+                                         paged_prefill_reference, tile_tokens)
 from engine_helpers import packed_reference
 
 BF16_ATOL = 1e-2  # bf16 kernel vs fp32 reference, outputs of magnitude <~ 1
@@ -124,6 +125,21 @@ def test_prefill_reference_rejects_more_queries_than_cached_tokens():
         paged_prefill_reference(q, k, v, tables, torch.tensor([0, 5], dtype=torch.int32), lens, 0.1)
 
 
+def test_tiles_keep_their_bytes_above_head_dim_128():
+    """64 and 128 tile as they always have; 256 holds half the tokens, at least one block."""
+    for tokens_per_split, tokens in ((512, 64), (8192, 128)):
+        assert tile_tokens(64, tokens_per_split, 16) == tile_tokens(128, tokens_per_split, 16) == tokens
+        assert tile_tokens(256, tokens_per_split, 16) == tokens // 2
+    assert tile_tokens(256, 512, 64) == 64
+
+
+def test_the_kernel_and_its_graphs_take_gemmas_head_dim():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs on them
+    assert kernels.HEAD_DIMS == (64, 128, 256)
+    assert all(attention_module.kernel_supports(d, cuda) == (kernels.triton is not None) for d in (64, 128, 256))
+    assert not attention_module.kernel_supports(96, cuda) and not attention_module.kernel_supports(256, cpu)
+
+
 # --------------------------------------------------------------------------------------------- Triton on CUDA
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -143,6 +159,11 @@ DECODE_CASES = {  # name: (lengths, num_heads, num_kv_heads, head_dim, block_siz
     "b8-upto2048-g8-bs64-fp16": (random_lengths(8, 1, 2048, 2), 64, 8, 64, 64, torch.float16),
     "b33-upto300-g7": (random_lengths(33, 1, 300, 3), 28, 4, 128, 16, torch.bfloat16),
     "b3-all-padding": ([0, 0, 0], 32, 8, 128, 16, torch.bfloat16),
+    # head_dim 256, Gemma-2-9B's heads (16 over 8 kv heads): split (batch 1) and unsplit (batch 32), 32-token tiles;
+    # test_triton_decode_any_split_count's single split runs its 64-token tiles
+    "b1-len4096-d256": ([4096], 16, 8, 256, 16, torch.bfloat16),
+    "b32-upto600-d256": (random_lengths(32, 1, 600, 4), 16, 8, 256, 16, torch.bfloat16),
+    "b5-padding-d256-g4-bs32-fp16": ([0, 1, 17, 512, 1000], 16, 4, 256, 32, torch.float16),
 }
 
 
@@ -162,8 +183,9 @@ def test_triton_decode_matches_reference(name):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 3, 16, 64])
-def test_triton_decode_any_split_count(num_splits):
-    q, k, v, tables, lens = make_paged([1, 0, 63, 700, 2049], 32, 8, 128, 16, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("heads, head_dim", [(32, 128), (16, 256)])
+def test_triton_decode_any_split_count(num_splits, heads, head_dim):
+    q, k, v, tables, lens = make_paged([1, 0, 63, 700, 2049], heads, 8, head_dim, 16, torch.bfloat16, "cuda")
     workspace = decode_workspace(q, 8, tables, 16, num_splits=num_splits)
     got = paged_decode_attention(q, k, v, tables, lens, 0.09, workspace=workspace)
     expected = paged_decode_reference(q, k, v, tables, lens, 0.09)
@@ -172,9 +194,10 @@ def test_triton_decode_any_split_count(num_splits):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_triton_decode_graph_replay_after_inputs_change_in_place():
+@pytest.mark.parametrize("heads, head_dim", [(32, 128), (16, 256)])
+def test_triton_decode_graph_replay_after_inputs_change_in_place(heads, head_dim):
     batch, block_size = 8, 16
-    q, k, v, tables, lens = make_paged([300] * batch, 32, 8, 128, block_size, torch.bfloat16, "cuda",
+    q, k, v, tables, lens = make_paged([300] * batch, heads, 8, head_dim, block_size, torch.bfloat16, "cuda",
                                        spare_blocks=120)  # room for 2224 tokens
     out = torch.empty_like(q)
     workspace = decode_workspace(q, 8, tables, block_size)

@@ -1,7 +1,7 @@
 """Sliding windows and score soft-capping in every attention path: the plain-torch references and the engine's
-per-sequence prefill against the naive loop (CPU), the Triton decode kernel in Triton's CPU interpreter
-(attention_interpret.py, when triton is importable) and on CUDA (marker `gpu`, eagerly and replayed in a CUDA
-graph), and varlen flash's window on CUDA."""
+per-sequence prefill against the naive loop (CPU), the Triton decode kernel at head sizes 64 to 256 in Triton's
+CPU interpreter (attention_interpret.py, when triton is importable) and on CUDA (marker `gpu`, eagerly and replayed
+in a CUDA graph), and varlen flash's window on CUDA."""
 
 import importlib.util
 import itertools
@@ -108,6 +108,9 @@ GPU_CASES = [  # (lengths, heads, kv heads, head_dim, block_size, window, softca
     ([5, 63, 64, 65, 700], 16, 8, 128, 16, 64, None),
     ([5, 63, 64, 65, 700], 16, 8, 64, 32, 37, 50.0),
     ([300, 1, 2049], 8, 4, 128, 16, None, 30.0),
+    ([1, 0, 17, 512, 1000, 4200], 16, 8, 256, 16, 4096, 50.0),  # Gemma-2-9B's sliding layers
+    ([1, 0, 17, 512, 1000, 4200], 16, 8, 256, 16, None, 50.0),  # and its full ones
+    ([5, 63, 64, 65, 700], 8, 4, 256, 32, 37, 1.0),  # a cap that bites on these scores
 ]
 
 
@@ -128,22 +131,25 @@ def test_triton_decode_matches_reference(case, num_splits):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_triton_decode_window_replays_in_a_graph_after_inputs_change():
+@pytest.mark.parametrize("heads, head_dim, softcap", [(32, 128, None), (16, 256, 2.0)])
+def test_triton_decode_window_replays_in_a_graph_after_inputs_change(heads, head_dim, softcap):
     batch, window = 8, 100
-    q, k, v, tables, lens = make_paged([300] * batch, 32, 8, 128, 16, torch.bfloat16, "cuda", spare_blocks=120)
+    q, k, v, tables, lens = make_paged([300] * batch, heads, 8, head_dim, 16, torch.bfloat16, "cuda",
+                                       spare_blocks=120)
     out, workspace = torch.empty_like(q), decode_workspace(q, 8, tables, 16)
-    paged_decode_attention(q, k, v, tables, lens, 0.1, out=out, workspace=workspace, window=window)
+    paged_decode_attention(q, k, v, tables, lens, 0.1, out=out, workspace=workspace, window=window, softcap=softcap)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(q, k, v, tables, lens, 0.1, out=out, workspace=workspace, window=window)
+        paged_decode_attention(q, k, v, tables, lens, 0.1, out=out, workspace=workspace, window=window,
+                               softcap=softcap)
     for seed, new_lengths in enumerate([[1, 0, 17, 1600, 5, 0, 1711, 64], [99, 100, 101, 1, 0, 0, 0, 2000]]):
         gen = torch.Generator().manual_seed(seed)
         tables.copy_((1 + torch.randperm(k.shape[0] - 1, generator=gen)).view_as(tables))
         lens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
         q.copy_(torch.randn(q.shape, generator=gen))
         graph.replay()
-        expected = paged_decode_reference(q, k, v, tables, lens, 0.1, window)
+        expected = paged_decode_reference(q, k, v, tables, lens, 0.1, window, softcap)
         torch.testing.assert_close(out.float(), expected.float(), atol=BF16_ATOL, rtol=BF16_ATOL)
 
 

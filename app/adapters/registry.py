@@ -135,6 +135,8 @@ class AdapterRegistry:
         self._roots = [str(root) for root in self.roots] + remote_roots  # for messages
         self._fetches = ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="adapter-fetch")
         self._fetching: set[CacheKey] = set()
+        # (URI, registered version) -> a newer version of its files, fetched and validated since
+        self._newer: dict[tuple[str, str], RemoteFiles] = {}
         self._ahead = {"fetched_ahead": 0, "fetched_ahead_bytes": 0, "fetched_ahead_used": 0,
                        "fetched_ahead_used_bytes": 0}
         self._unused_ahead: dict[CacheKey, int] = {}  # fetched ahead, not read since: key -> bytes
@@ -316,7 +318,7 @@ class AdapterRegistry:
         if spec.remote is None:
             return read_adapter(spec, check_finite)
         with self._fetched(spec) as local:
-            key = CacheKey(str(spec.path), spec.remote.version)
+            key = self._cache_key(spec)
             with self._lock:
                 if (nbytes := self._unused_ahead.pop(key, None)) is not None:
                     self._ahead["fetched_ahead_used"] += 1
@@ -340,7 +342,7 @@ class AdapterRegistry:
             room -= spec.nbytes
             if room < 0:
                 break
-            key = CacheKey(str(spec.path), spec.remote.version)
+            key = self._cache_key(spec)
             with self._lock:
                 if key in self._fetching or self.cache.contains(key):
                     continue
@@ -378,7 +380,13 @@ class AdapterRegistry:
         """Whether the node holds the adapter's files (local adapters always are)."""
         if spec.remote is None:
             return True
-        return self.cache is not None and self.cache.contains(CacheKey(str(spec.path), spec.remote.version))
+        return self.cache is not None and self.cache.contains(self._cache_key(spec))
+
+    def _cache_key(self, spec: AdapterSpec) -> CacheKey:
+        """The key of the version this node serves: the registered one, or a newer one validated since."""
+        with self._lock:
+            files = self._newer.get((str(spec.path), spec.remote.version), spec.remote)
+        return CacheKey(str(spec.path), files.version)
 
     @contextmanager
     def _fetched(self, spec: AdapterSpec) -> Iterator[AdapterSpec]:
@@ -388,7 +396,8 @@ class AdapterRegistry:
         if self.cache is None:
             raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': remote adapters need a node cache "
                                     "(adapter_cache_dir)")
-        files = spec.remote
+        registered = (str(spec.path), spec.remote.version)
+        files = self._newer.get(registered, spec.remote)
         if not self.cache.contains(CacheKey(str(spec.path), files.version)):
             current = RemoteFiles(self.store.stat(files.config.uri), self.store.stat(files.weights.uri))
             if current.version != files.version:
@@ -409,6 +418,9 @@ class AdapterRegistry:
                 self._check_same(spec, now)
 
         with self.cache.entry(CacheKey(str(spec.path), files.version), nbytes, fill) as folder:
+            if changed:  # validated: later reads go to this version's copy without asking the store again
+                with self._lock:
+                    self._newer[registered] = files
             yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
                           remote=None)
 

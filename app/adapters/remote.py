@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -30,6 +31,7 @@ from app.errors import (
     AdapterStoreUnavailable,
 )
 
+log = logging.getLogger(__name__)
 REMOTE_SCHEMES = ("s3", "gs", "hf", "http", "https")
 _SCHEME_ALIASES = {"gcs": "gs", "s3a": "s3"}
 _URI_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.DOTALL)
@@ -256,10 +258,17 @@ class RemoteStore:
             with open(dest, "rb") as f:
                 while chunk := f.read(8 * 1024 * 1024):
                     digest.update(chunk)
-            if digest.hexdigest() != expected:
+            if digest.hexdigest() == expected:
+                return
+            if not (obj.version.startswith("etag:") and self.stat(obj.uri).version == obj.version):
                 raise AdapterStoreUnavailable(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
                                               "(the object changed during the download?)",
                                               retry_after_s=_STORE_RETRY_AFTER_S)
+            # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
+            log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
+            return
+        if self.stat(obj.uri).version != obj.version:  # no checksum: at least, the parts all came from one version
+            raise AdapterStoreUnavailable(f"{obj.uri} changed during the download", retry_after_s=_STORE_RETRY_AFTER_S)
 
     def shutdown(self) -> None:
         self._parts.shutdown(wait=False, cancel_futures=True)

@@ -12,7 +12,7 @@ import logging
 import re
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -352,12 +352,15 @@ class AdapterRegistry:
         return started
 
     def _fetch_one(self, spec: AdapterSpec, key: CacheKey) -> None:
+        def downloaded(nbytes: int) -> None:  # before the entry is visible: no read can come first
+            with self._lock:
+                self._ahead["fetched_ahead"] += 1
+                self._ahead["fetched_ahead_bytes"] += nbytes
+                self._unused_ahead[key] = nbytes
+
         try:
-            with self._fetched(spec) as local:
-                with self._lock:
-                    self._ahead["fetched_ahead"] += 1
-                    self._ahead["fetched_ahead_bytes"] += local.nbytes
-                    self._unused_ahead[key] = local.nbytes
+            with self._fetched(spec, downloaded):
+                pass
         except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
             log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
         finally:
@@ -389,10 +392,11 @@ class AdapterRegistry:
         return CacheKey(str(spec.path), files.version)
 
     @contextmanager
-    def _fetched(self, spec: AdapterSpec) -> Iterator[AdapterSpec]:
+    def _fetched(self, spec: AdapterSpec, downloaded: Callable[[int], None] | None = None) -> Iterator[AdapterSpec]:
         """The spec of the adapter's copy in the node cache, held there for the block. On a miss, the store is
         asked first whether the object is still the one registered; if it changed, the new bytes are fetched
-        and validated against the registration before anything reads them."""
+        and validated against the registration before anything reads them. `downloaded(nbytes)` is called when
+        this call is the one that downloads it, before the copy becomes visible."""
         if self.cache is None:
             raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': remote adapters need a node cache "
                                     "(adapter_cache_dir)")
@@ -416,6 +420,8 @@ class AdapterRegistry:
                 except AdapterInvalid as e:  # a read fails as `read_adapter` fails: AdapterLoadFailed
                     raise AdapterLoadFailed(f"{e.message} (its new version in the store; re-register it)") from e
                 self._check_same(spec, now)
+            if downloaded is not None:
+                downloaded(nbytes)
 
         with self.cache.entry(CacheKey(str(spec.path), files.version), nbytes, fill) as folder:
             if changed:  # validated: later reads go to this version's copy without asking the store again

@@ -73,6 +73,30 @@ NOTES = [
     "(lora_router_placements) and are not recorded here.",
 ]
 
+REMOTE_NOTES = [
+    "adapter_store: the adapters lay in moto's S3 server behind a proxy that delays each request's first response "
+    "byte by latency_ms and caps each connection at mbps (bench/serve/store.py); floor holds what a client "
+    "measured through it in the same run (ttfb_ms_p50 of a 1 KiB ranged GET, single_connection_mb_per_s of one GET "
+    "of a whole adapter, parallel_mb_per_s of that many ranged GETs at once, app_download_s of one adapter "
+    "fetched as a replica fetches it). Each arm started with an empty node cache of node_cache_bytes, and no "
+    "host cache was filled before the runs.",
+    "remote: the node cache's counters over the run, summed over the replicas (each counts what its own process "
+    "did in the cache they share, so the sum is the node's): fetched_bytes and downloads from the store, "
+    "cache_hits, waited_for_other (another replica was fetching it). adapters_requested: the distinct adapters of "
+    "the run's trace, each of which a cold node cache must fetch once; extra_downloads: downloads beyond them "
+    "(fetched again after an eviction, or never requested). fetched_ahead: fetches started by hints or "
+    "queued requests before any read needed them; wasted_fetches: those that no read of the same replica used "
+    "during the run (fetched_ahead - fetched_ahead_used, and the bytes); with several replicas, an adapter "
+    "fetched ahead by one and read by another counts as wasted for the first.",
+    "hinted_on_node_share: of the arrivals that waited in the router and were hinted to their replica, the share "
+    "whose adapter was on the node or closer when they arrived (device, host or node disk) rather than still in "
+    "the store; hint_hit_rate_when_queued counts the store tier in its denominator.",
+]
+
+NODE_CACHE_COUNTERS = ("downloads", "downloaded_bytes", "download_seconds", "hits", "waited_for_other", "evictions",
+                       "evicted_bytes", "fetched_ahead", "fetched_ahead_bytes", "fetched_ahead_used",
+                       "fetched_ahead_used_bytes")
+
 
 def request_bodies(arrivals: list[Arrival], adapter_names: list[str], base_model_id: str, vocab: np.ndarray,
                    seed: int) -> list[dict]:
@@ -92,9 +116,21 @@ def _histogram_sum(histograms: list[dict]) -> dict:
             "buckets": dict(buckets)}
 
 
+def remote_delta(before: dict, after: dict) -> dict:
+    """One replica's hinted_from_store and node cache counters between two engine snapshots (zeros without a
+    node cache: local adapters)."""
+    cache_before, cache_after = before.get("node_cache", {}), after.get("node_cache", {})
+    out = {k: cache_after.get(k, 0) - cache_before.get(k, 0) for k in NODE_CACHE_COUNTERS}
+    out["hinted_from_store"] = after.get("hinted_from_store", 0) - before.get("hinted_from_store", 0)
+    return out
+
+
 def sum_deltas(deltas: list[dict]) -> dict:
-    """The replicas' bench.engine.driver.metrics_delta results added up (the counters of the whole deployment)."""
+    """The replicas' bench.engine.driver.metrics_delta results added up (the counters of the whole deployment),
+    with their remote_delta results where they carry them ("remote")."""
     out = {k: sum(d[k] for d in deltas) for k in (*COUNTERS, "steps")}
+    if deltas and all("remote" in d for d in deltas):
+        out["remote"] = {k: sum(d["remote"][k] for d in deltas) for k in deltas[0]["remote"]}
     for name in HISTOGRAMS:
         out[name] = _histogram_sum([d[name] for d in deltas])
     out["tiers"] = {tier: {f: sum(d["tiers"][tier][f] for d in deltas) for f in fields}
@@ -134,7 +170,40 @@ def mean_of(histogram: dict) -> float | None:
 
 def hinted_hit_rate(delta: dict) -> float | None:
     hinted = delta["hinted_on_device"] + delta["hinted_in_host"] + delta["hinted_from_disk"]
+    hinted += delta.get("remote", {}).get("hinted_from_store", 0)
     return delta["hinted_on_device"] / hinted if hinted else None
+
+
+def remote_summary(delta: dict) -> dict | None:
+    """The node cache over a run (see REMOTE_NOTES); None where the adapters were local."""
+    remote = delta.get("remote")
+    if remote is None:
+        return None
+    on_node = delta["hinted_on_device"] + delta["hinted_in_host"] + delta["hinted_from_disk"]
+    hinted = on_node + remote["hinted_from_store"]
+    requested = remote.get("adapters_requested")
+    return {"fetched_bytes": remote["downloaded_bytes"], "downloads": remote["downloads"],
+            "adapters_requested": requested,
+            "extra_downloads": None if requested is None else remote["downloads"] - requested,
+            "download_s_mean": remote["download_seconds"] / remote["downloads"] if remote["downloads"] else None,
+            "cache_hits": remote["hits"], "waited_for_other": remote["waited_for_other"],
+            "evictions": remote["evictions"], "fetched_ahead": remote["fetched_ahead"],
+            "fetched_ahead_used": remote["fetched_ahead_used"],
+            "wasted_fetches": remote["fetched_ahead"] - remote["fetched_ahead_used"],
+            "wasted_fetch_bytes": remote["fetched_ahead_bytes"] - remote["fetched_ahead_used_bytes"],
+            "hinted_from_store": remote["hinted_from_store"],
+            "hinted_on_node_share": on_node / hinted if hinted else None}
+
+
+def remote_line(s: dict) -> str:
+    """The remote figures of a run's summary, for the printed table ("" where the adapters were local)."""
+    r = s.get("remote")
+    if r is None:
+        return ""
+    share = "n/a" if r["hinted_on_node_share"] is None else f"{r['hinted_on_node_share']:.2f}"
+    return (f"; remote: {r['fetched_bytes'] / 1e9:.2f} GB in {r['downloads']} downloads for "
+            f"{r['adapters_requested']} adapters requested, {r['wasted_fetches']} fetched ahead unused "
+            f"({r['wasted_fetch_bytes'] / 1e9:.2f} GB), hinted on node {share}")
 
 
 def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, dict], hints_pushed: int,
@@ -163,7 +232,9 @@ def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, 
         "hint_hit_rate": hit_rate([k for k, n in kinds.items() for _ in range(n)]),
         "hint_hit_rate_when_queued": hinted_hit_rate(delta),
         "hinted_arrivals": {"device": delta["hinted_on_device"], "host": delta["hinted_in_host"],
-                            "disk": delta["hinted_from_disk"]},
+                            "disk": delta["hinted_from_disk"],
+                            **({"store": delta["remote"]["hinted_from_store"]} if "remote" in delta else {})},
+        "remote": remote_summary(delta),
         "arrival_kinds": kinds,
         "hint_lead_s_mean": mean_of(lead),
         "adapter_wait_s_mean": mean_of(delta["adapter_wait_seconds"]),

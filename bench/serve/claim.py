@@ -7,7 +7,8 @@ adapter read once into every replica's host cache (called on each replica direct
 workloads in the order given, each a seeded trace of bench/workloads.py played open loop over HTTP: request i
 is sent at its arrival time. Around each run the replicas' engine counters are read directly from each replica
 (`engine_metrics`), so only the measured load counts. --cold-disk drops the adapter files from the OS page
-cache before each run.
+cache before each run. --adapter-store s3 serves the adapters from an emulated S3 store (bench/serve/store.py)
+instead: each arm gets an empty node cache of the same budget, and no host cache is filled beforehand.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from app.api.wire import ErrorReply, GenerateCall
 from app.engine.config import EngineConfig
 from app.demo.build import DEMO_VERSION
 from app.sampling.params import SamplingParams
-from bench.adapter_pool import prepare
+from bench.adapter_pool import adapter_name, prepare
 from bench.common import write_result
 from bench.engine.arms import drop_page_cache
 from bench.engine.driver import metrics_delta, vocab_ids
 from bench.engine.hints import max_rank_adapter_bytes
-from bench.serve.arms import NOTES, SERVE_ARMS, RequestResult, request_bodies, sum_deltas, summarize
+from bench.serve.arms import (NOTES, REMOTE_NOTES, SERVE_ARMS, RequestResult, remote_delta, remote_line,
+                              request_bodies, sum_deltas, summarize)
 from bench.serve.load import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
 from bench.workloads import SEQUENTIAL_ADAPTERS, WORKLOADS, make
 from deploy.state import find_router_state
@@ -150,15 +152,22 @@ def run_one(args, url: str, actors: dict, workload: str, n: int, count: int, nam
                     args.rotate_s)
     bodies = request_bodies(arrivals, names, model_id, vocab, args.seed)
     if args.cold_disk:
-        drop_page_cache(adapter_dir, names[:n])
+        drop_page_cache(adapter_dir, names[:n])  # local adapters only (load.py refuses it with s3)
     before, pushed = wait_idle(actors), hints_pushed()
     results, samples = asyncio.run(play(url, arrivals, bodies))
     after = wait_idle(actors)
     deltas = {uid: metrics_delta(before[uid], after[uid]) for uid in before if uid in after}
+    if args.adapter_store != "local":
+        for uid, d in deltas.items():
+            d["remote"] = remote_delta(before[uid], after[uid])
     per_replica = {uid: {"arrival_kinds": {k: d[k] for k in ("hint_hits", "inflight_hits", "misses")},
                          "hints_received": d["hints_received"], "stall_s": d["stall_seconds"]["sum"],
-                         "loads": d["loads_started"], "evictions": d["evictions"]} for uid, d in deltas.items()}
-    return summarize(results, sum_deltas(list(deltas.values())), per_replica, hints_pushed() - pushed, samples), before
+                         "loads": d["loads_started"], "evictions": d["evictions"], "remote": d.get("remote")}
+                   for uid, d in deltas.items()}
+    total = sum_deltas(list(deltas.values()))
+    if "remote" in total:  # what a cold node cache must fetch at least, for the extra downloads beyond it
+        total["remote"]["adapters_requested"] = len({a.adapter for a in arrivals if a.adapter is not None})
+    return summarize(results, total, per_replica, hints_pushed() - pushed, samples), before
 
 
 # --- the arms --------------------------------------------------------------------------------------------
@@ -178,7 +187,22 @@ class Claim:
         self.args, self.started = args, time.perf_counter()
         self.runs = parse_workloads(args.workload, args)
         count = max(n for _, n, _ in self.runs) + 1  # the last adapter is the warm-up's, in no trace
-        self.base, self.adapter_dir, self.names = prepare(args.size, count, args.seed, args.demo_dir)
+        distinct = min(args.store_distinct or count, count) if args.adapter_store == "s3" else count
+        self.base, self.adapter_dir, self.names = prepare(args.size, distinct, args.seed, args.demo_dir)
+        self.remote, self.adapter_root = None, self.adapter_dir
+        if args.adapter_store == "s3":  # before Ray starts: its workers inherit the store's environment
+            from bench.serve.store import RemoteAdapters, StoreConfig
+
+            if ray.is_initialized():
+                raise SystemExit("--adapter-store s3 sets the store's endpoint in the environment Ray's workers "
+                                 "inherit; start it with no Ray running in this process")
+
+            folders = [self.adapter_dir / self.names[i % distinct] for i in range(count)]
+            self.names = [adapter_name(i) for i in range(count)]
+            self.remote = RemoteAdapters(StoreConfig(args.store_latency_ms, args.store_mbps), folders, self.names,
+                                         args.node_cache_adapters, args.node_cache_root)
+            self.adapter_root = self.remote.root
+            print(f"adapter store: {self.remote.upload}\n  floor: {self.remote.floor}", flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the base was built on the GPU here: leave its memory to the replicas
         config = EngineConfig(base_model=str(self.base), adapter_roots=(str(self.adapter_dir),),
@@ -187,7 +211,7 @@ class Claim:
         self.memory = {"adapter_memory_bytes": args.capacity * self.unit,
                        "host_cache_bytes": int((args.host_cache_adapters or count) * self.unit)}
         self.vocab = vocab_ids(AutoTokenizer.from_pretrained(str(self.base)))
-        self.warm_host = args.warm_host and not args.cold_disk
+        self.warm_host = args.warm_host and not args.cold_disk and self.remote is None
         self.results = {w: {} for w, _, _ in self.runs}
         self.pools = {w: {} for w, _, _ in self.runs}
         self.chosen, self.measured, self.skipped, self.deploy_s, self.app = [], {}, [], {}, None
@@ -195,8 +219,12 @@ class Claim:
         self.timings = {"prepare": time.perf_counter() - self.started}
 
     def run(self) -> list:
-        for i, arm in enumerate(self.args.arms):
-            self.run_arm(i, arm)
+        try:
+            for i, arm in enumerate(self.args.arms):
+                self.run_arm(i, arm)
+        finally:
+            if self.remote is not None:
+                self.remote.close()
         self.timings["total"] = time.perf_counter() - self.started
         return [self.write(w, n, r) for w, n, r in self.runs if self.results[w]]
 
@@ -205,7 +233,9 @@ class Claim:
         if i > 0 and not self.chosen or not self.can_deploy(i):
             self.skipped += [{"workload": w, "arm": arm_name} for w, _, _ in self.chosen]
             return
-        self.app = app_args_for(args, self.base, self.adapter_dir, {**self.memory, **SERVE_ARMS[arm_name].app_args()})
+        node_cache = self.remote.fresh_cache() if self.remote else {}  # every arm starts cold
+        self.app = app_args_for(args, self.base, self.adapter_root,
+                                {**self.memory, **node_cache, **SERVE_ARMS[arm_name].app_args()})
         url = deploy(args, self.app, args.replicas[0])
         actors = replica_actors()
         warm_up(url, self.app.served_model_id, self.names[-1], len(actors))
@@ -229,6 +259,8 @@ class Claim:
             self.write(workload, n, requests)  # after every run: a run killed from outside keeps what it measured
             time.sleep(args.drain_s)
         serve.delete(APP_NAME)
+        if self.remote is not None:
+            self.remote.drop_cache()
 
     def can_deploy(self, i: int) -> bool:
         """A later arm deploys only if its first run can end within the budget (deploying as the first arm did)."""
@@ -239,25 +271,27 @@ class Claim:
         return time.perf_counter() - self.started + needed <= self.args.time_budget_s
 
     def fits(self, i: int, arm_name: str, workload: str, requests: int) -> bool:
-        """Whether this run, and (first arm) the same workloads on every later arm, end within the budget."""
+        """Whether this run, and (first arm) the same workload on the second arm, end within the budget: the first
+        two arms are the pair compared; a third runs where time is left (can_deploy)."""
         if not self.args.time_budget_s:
             return True
         estimate = self.measured.get(workload) or requests / self.args.rate * 1.5 + 15
         later = 0.0
-        if i == 0:  # a later arm redeploys and plays every workload the first arm played
+        if i == 0:  # the second arm redeploys and plays every workload the first arm played
             per_arm = self.deploy_s[arm_name] + 10 + estimate + sum(self.measured[w] for w, _, _ in self.chosen)
-            later = (len(self.args.arms) - 1) * per_arm
+            later = (min(len(self.args.arms), 2) - 1) * per_arm
         return time.perf_counter() - self.started + estimate + later <= self.args.time_budget_s
 
     def write(self, workload: str, n: int, requests: int):
         args, app = self.args, self.app
-        variant = "disk" if args.host_cache_adapters is not None else "warm-host"
-        notes = list(NOTES)
+        variant = "remote" if self.remote else "disk" if args.host_cache_adapters is not None else "warm-host"
+        notes = NOTES + (REMOTE_NOTES if self.remote else [])
         if len(self.runs) > 1:
             notes.append("The workloads of an arm run one after another on one deployment: a later workload "
                          "starts with the device pool and host cache the previous one left.")
         skipped = [s for s in self.skipped if s["workload"] == workload]
-        return write_result(f"serve-claim-{workload}" + ("-disk" if variant == "disk" else "") + args.tag, {
+        name = f"serve-{'remote' if self.remote else 'claim'}-{workload}" + ("-disk" if variant == "disk" else "")
+        return write_result(name + args.tag, {
             "benchmark": "serve-claim", "complete": "total" in self.timings and not skipped, "skipped_runs": skipped,
             "workload": workload, "workload_spec": asdict(WORKLOADS[workload]), "n": n, "requests_per_run": requests,
             "rate": args.rate, "size": args.size, "demo_version": DEMO_VERSION, "replicas": args.replicas[0],
@@ -271,6 +305,7 @@ class Claim:
             "arms": {a: SERVE_ARMS[a].config() for a in args.arms}, "lengths": args.lengths,
             "length_scale": args.length_scale, "rotate_s": args.rotate_s, "bursty_hot_set": args.capacity,
             "seed": args.seed, "deploy_and_warm_s": self.deploy_s, "timings_s": self.timings, "notes": notes,
+            "adapter_store": self.remote.record() if self.remote else None,
             "results": self.results[workload],
         }, args.results_dir)
 
@@ -294,4 +329,5 @@ def print_run(arm: str, workload: str, n: int, s: dict) -> None:
     print(f"{workload} N={n} {arm}: {s['completed']}/{s['requests']} ok, TTFT p50/p99 {ms(s['ttft_s']['p50'])}/"
           f"{ms(s['ttft_s']['p99'])} ms, {s['request_throughput_per_s']:.2f} req/s, hit rate {rate}, stall "
           f"{1e3 * s['stall_s_per_request']:.1f} ms/req, waiting in router {'n/a' if wait is None else f'{wait:.1f}'}"
-          f" (mean), hints to replicas {s['hints_received']}", flush=True)
+          f" (mean), hints to replicas {s['hints_received']}, E2E p50/p99 {ms(s['e2e_s']['p50'])}/"
+          f"{ms(s['e2e_s']['p99'])} ms{remote_line(s)}", flush=True)

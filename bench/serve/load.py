@@ -11,6 +11,10 @@ deployment at the same adapter memory, each workload a bench/workloads.py trace 
 
     python -m bench.serve.load --launch --arms A A0 serve_default --replicas 2 --capacity 8 --rate 28 \\
         --workload uniform@128 bursty-cv4@128 --num-requests 192 --length-scale 0.25 --batch 32 --max-ongoing 32
+
+With --adapter-store s3 the adapters are read from an emulated S3 store (moto behind a proxy adding
+--store-latency-ms per request and capping each connection at --store-mbps), each arm starting with an empty node
+cache.
 """
 
 from __future__ import annotations
@@ -245,6 +249,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "before each run (and do not fill the host caches)")
     claim.add_argument("--warm-host", action=argparse.BooleanOptionalAction, default=True,
                        help="read every adapter into every replica's host cache before the first run")
+    claim.add_argument("--adapter-store", default="local", choices=["local", "s3"],
+                       help="s3: the adapters in an emulated S3 store (bench/serve/store.py), read through the app's "
+                       "node cache, empty at each arm's start")
+    claim.add_argument("--store-latency-ms", type=float, default=100.0, help="s3: first-byte delay of each request")
+    claim.add_argument("--store-mbps", type=float, default=150.0, help="s3: bandwidth cap of each connection, MB/s")
+    claim.add_argument("--store-distinct", type=int, help="s3: adapters generated, their bytes repeated over the N "
+                       "names in the store (default: N)")
+    claim.add_argument("--node-cache-adapters", type=float, help="s3: the node cache in adapters (default: all N)")
+    claim.add_argument("--node-cache-root", help="s3: where each arm's node cache folder goes (default: $TMPDIR)")
     claim.add_argument("--lengths", default="slora", choices=LENGTH_MODES)
     claim.add_argument("--length-scale", type=float, default=1.0)
     claim.add_argument("--rotate-s", type=float, default=2.0, help="bursty: seconds between hot-set moves")
@@ -257,6 +270,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.arms:
         if not args.launch or len(args.replicas) != 1 or args.rate <= 0:
             parser.error("--arms needs --launch, one --replicas value and --rate > 0")
+        if args.adapter_store == "s3" and args.cold_disk:
+            parser.error("--cold-disk drops local adapter files; with --adapter-store s3 every arm starts cold")
+    elif args.adapter_store != "local":
+        parser.error("--adapter-store s3 runs in claim mode (--arms)")
     elif len(args.workload) != 1 or args.workload[0] not in ("uniform", "zipf", "base"):
         parser.error("without --arms, --workload is one of uniform, zipf, base")
     return args

@@ -12,6 +12,7 @@ from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
 from deploy import haproxy
+from ray_nodes import INGRESS_DRAINING_S
 
 
 def free_port() -> int:
@@ -68,6 +69,7 @@ def cluster(request, demo_dir, monkeypatch_module):
     # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
     # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
     monkeypatch_module.setenv(haproxy.HAPROXY_ENV, "1" if haproxy.available() else "0")
+    monkeypatch_module.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)
     ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         cluster = Cluster(Path(demo_dir))

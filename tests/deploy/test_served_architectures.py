@@ -108,13 +108,6 @@ def smollm2_selected(request) -> bool:
                                for item in request.session.items)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_ingress_draining(monkeypatch_module):
-    """Behind HAProxy a stopped ingress replica stays reachable for 30 s so that load balancers can deregister it;
-    nothing here needs that, and the module's teardown would wait for it. Set before the cluster starts."""
-    monkeypatch_module.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
-
-
 @pytest.fixture(scope="module")
 def cases(request, tmp_path_factory, demo_dir) -> dict[str, Case]:
     out = {}

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deploy import haproxy, preflight
-from ray_nodes import RAY_ENV, SERVE, free_ports, stop_serve_run, write_serve_config
+from ray_nodes import INGRESS_DRAINING_S, RAY_ENV, SERVE, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
@@ -32,7 +32,8 @@ def served(tmp_path_factory, demo_dir):
                                 [{"name": "LoRAReplica", "num_replicas": 1}, {"name": "Ingress", "num_replicas": 1}])
     env = {**os.environ, **RAY_ENV, **haproxy.environment(), "RAY_ADDRESS": "local",
            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats), "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
-           "RAY_SERVE_HAPROXY_MAXCONN": str(SLOTS), "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S)}
+           "RAY_SERVE_HAPROXY_MAXCONN": str(SLOTS), "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": INGRESS_DRAINING_S}
     with open(tmp / "serve.log", "ab") as log:
         process = subprocess.Popen([SERVE, "run", str(config)], env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)

@@ -341,11 +341,11 @@ def test_fetch_ahead_nearest_first_within_half_the_cache(s3, registries, tmp_pat
     assert [registry.on_node(name) for name in ("a", "b", "c", "d", "here")] == [True, False, True, False, True]
     snapshot = registry.node_snapshot()
     ahead = (snapshot["fetched_ahead"], snapshot["fetched_ahead_bytes"], snapshot["fetched_ahead_used"])
-    assert ahead == (2, 2 * weights, 0)  # fetches count the weights' bytes
+    assert ahead == (2, 2 * entry, 0)  # fetches count both files' bytes
     assert registry.fetch_ahead(["c", "a"]) == 0  # on the node already
     registry.read(registry.get("c"))
     registry.read(registry.get("c"))
     registry.read(registry.get("d"))
     snapshot = registry.node_snapshot()
-    assert (snapshot["fetched_ahead_used"], snapshot["fetched_ahead_used_bytes"]) == (1, weights)
+    assert (snapshot["fetched_ahead_used"], snapshot["fetched_ahead_used_bytes"]) == (1, entry)
     assert (snapshot["downloads"], snapshot["hits"], snapshot["used_bytes"]) == (3, 2, 3 * entry)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Router hints with the adapters in a remote store, measured through Ray Serve (bench.serve.load --arms
+# --adapter-store s3, bench/serve/store.py): N (256) rank-16 Llama-3-8B-shape adapters of 83.9 MB in moto's S3
+# server, behind a proxy that delays each request's first byte by LATENCY_MS (100) and caps each connection at MBPS
+# (150) MB/s. DISTINCT (32) adapters are generated; the N objects in the store repeat their bytes.
+# Each arm of ARMS (A A0 serve_default) is a fresh deployment of REPLICAS (1) replicas whose node cache starts empty,
+# NODE_CACHE adapters large (default: all N); no host cache is filled beforehand. The first two arms are the pair
+# compared; a third runs where time is left. One WORKLOAD (uniform; zipf: Zipf α 1.5; bursty-cv4) of REQUESTS (192)
+# at RATE (6 req/s), S-LoRA lengths x LENGTH_SCALE (0.25); per replica CAPACITY (16) max-rank adapters of device
+# memory, HOST_CACHE (48) of host cache, MAX_ONGOING (8) requests (the rest wait in the router, where hints are
+# sent), KV_GIB (12) GiB of KV cache, compile_decode off, the engine loop on a thread unless ENGINE_PROCESS=true.
+#
+#   bash bench/device/serve_remote.sh                              # uniform: A, A0, then serve_default if time is left
+#   WORKLOAD=zipf ARMS="A A0" bash bench/device/serve_remote.sh
+#   WORKLOAD=bursty-cv4 ARMS=serve_default TAG=-serve-default bash bench/device/serve_remote.sh
+#   LATENCY_MS=30 MBPS=500 TAG=-30ms-500mbps bash bench/device/serve_remote.sh   # a nearer store
+#
+# Wheels: WHEELS (.whl-serve) must hold moto's S3 server and s3fs besides Ray, or STORE_WHEELS names a second
+# wheelhouse that does (both in the call's carry; `bash bench/device/store_wheels.sh demo/whl-store` builds one);
+# the call stops at once where a 1 MB round trip through the emulated store fails.
+# Phases (H100 host, estimated): wheels ~25 s; the 16 GB base ~30 s and ~0.3 s per generated adapter on the GPU;
+# the upload ~15 s for 32 distinct adapters plus ~0.1-0.2 s per copy inside the store (~35 s for 224); then per arm
+# ~70 s to deploy (each replica registers the N remote adapters, a few ranged reads each) and ~45 s to play 192
+# requests at 6 req/s. BUDGET_S (520, from the call's start): the bench starts no run that would end past it, and
+# the call ends by 560 s.
+# Results: bench/results/<slug>-serve-remote-<workload><TAG>.json, with the store's measured floor, copied to $OUT
+# beside the call's log.
+call_start=$(date +%s)
+WHEELS=${WHEELS-.whl-serve}
+source bench/device/setup.sh
+if [ -n "${STORE_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$STORE_WHEELS"/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+fi
+python3 -c "import aiohttp, fsspec; print('aiohttp', aiohttp.__version__, 'fsspec', fsspec.__version__)"
+if ! timeout 60 python3 -m bench.serve.store --objects 1 --object-mb 1 > "$OUT/store_check.log" 2>&1; then
+  tail -5 "$OUT/store_check.log"; echo "the emulated store does not run here: see STORE_WHEELS"; exit 1
+fi
+BUDGET_S=${BUDGET_S:-520}  # from the call's start, as the 560 s limit
+N=${N:-256}
+APP="{\"kv_cache_bytes\": $(( ${KV_GIB:-12} << 30 )), \"compile_decode\": false, \"engine_process\": ${ENGINE_PROCESS:-false}}"
+ARGS=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas "${REPLICAS:-1}"
+      --workload "${WORKLOAD:-uniform}@$N" --adapter-store s3 --store-latency-ms "${LATENCY_MS:-100}"
+      --store-mbps "${MBPS:-150}" --store-distinct "${DISTINCT:-32}" --capacity "${CAPACITY:-16}"
+      --host-cache-adapters "${HOST_CACHE:-48}" --batch 32 --max-ongoing "${MAX_ONGOING:-8}" --rate "${RATE:-6}"
+      --num-requests "${REQUESTS:-192}" --length-scale "${LENGTH_SCALE:-0.25}" --rotate-s 2 --app-args "$APP")
+[ -n "${NODE_CACHE:-}" ] && ARGS+=(--node-cache-adapters "$NODE_CACHE")
+[ "$GPUS" -lt "${REPLICAS:-1}" ] && ARGS+=(--gpus-per-replica "$(python3 -c "print($GPUS / ${REPLICAS:-1})")")
+left=$(( BUDGET_S - ($(date +%s) - call_start) )) hard=$(( 560 - ($(date +%s) - call_start) ))
+echo "== serve_remote ${WORKLOAD:-uniform}@$N ($left s left)"
+timeout $(( left + 30 < hard ? left + 30 : hard )) python3 -m bench.serve.load "${ARGS[@]}" \
+  --time-budget-s $(( left - 15 )) 2>&1 | quiet | tee "$OUT/serve_remote.log" \
+  | grep -E "^adapter store|^  floor|N=[0-9]+ |^wrote|^  bench|^no run|Error|Traceback" | tail -12
+ray stop --force >/dev/null 2>&1
+echo "serve remote (${WORKLOAD:-uniform}, $GPUS GPU): $(( $(date +%s) - call_start )) s"
+bring_back serve_remote $(written "$SLUG-serve-remote-*.json")

@@ -1,0 +1,89 @@
+"""The serve bench's emulated remote store without Ray: moto's S3 server behind the proxy delays each response's
+first byte and caps each connection's bandwidth as configured, the bench's adapters upload to it, and a run's node
+cache counters add up over replicas."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bench.adapter_pool import CONFIG_NAME, WEIGHTS_NAME
+from bench.serve.arms import NODE_CACHE_COUNTERS, hinted_hit_rate, remote_delta, remote_summary
+from bench.serve.store import EmulatedStore, RemoteAdapters, StoreConfig
+
+pytest.importorskip("moto.server")
+
+LATENCY_MS, MBPS = 100.0, 20.0
+
+
+def tiny_adapter(folder: Path, seed: int) -> Path:
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(2, 8, generator=gen)},
+              folder / WEIGHTS_NAME)
+    (folder / CONFIG_NAME).write_text('{"r": 2}')
+    return folder
+
+
+def test_proxy_delays_first_bytes_and_caps_bandwidth(tmp_path):
+    blob = tmp_path / "blob"
+    blob.mkdir()
+    (blob / CONFIG_NAME).write_text("{}")
+    (blob / WEIGHTS_NAME).write_bytes(os.urandom(6_000_000))
+    with EmulatedStore(StoreConfig(LATENCY_MS, MBPS)) as store:
+        store.upload([blob], ["blob"])
+        floor = store.measure(f"{store.root}/blob/{WEIGHTS_NAME}", repeats=3, connections=2)
+    assert LATENCY_MS <= floor["ttfb_ms_p50"] < LATENCY_MS + 1000
+    # One GET of 6 MB at 20 MB/s takes 0.3 s after its first byte; moto alone is several times faster.
+    assert MBPS / 3 < floor["single_connection_mb_per_s_after_first_byte"] <= MBPS * 1.15
+    assert floor["parallel_mb_per_s"] <= 2 * MBPS * 1.15  # two connections, each capped
+    assert floor["app_download_s"] >= LATENCY_MS / 1e3
+
+
+def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, monkeypatch):
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION"):
+        monkeypatch.delenv(key, raising=False)  # RemoteAdapters sets them for the Ray workers to come
+    first, second = tiny_adapter(tmp_path / "a", 0), tiny_adapter(tmp_path / "b", 1)
+    remote = RemoteAdapters(StoreConfig(0.0, 1000.0), [first, second, first], ["x-0", "x-1", "x-2"],
+                            cache_adapters=None, cache_root=str(tmp_path))
+    try:
+        assert remote.upload["distinct"] == 2 and remote.upload["copied_in_store"] == 1
+        assert os.environ["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{remote.store.proxy_port}"
+        through_proxy = remote.store.filesystem(direct=False)
+        root = remote.root.removeprefix("s3://")
+        assert sorted(p.rsplit("/", 1)[1] for p in through_proxy.ls(root)) == ["x-0", "x-1", "x-2"]
+        assert through_proxy.cat_file(f"{root}/x-2/{WEIGHTS_NAME}") == (first / WEIGHTS_NAME).read_bytes()
+        assert through_proxy.cat_file(f"{root}/x-1/{WEIGHTS_NAME}") == (second / WEIGHTS_NAME).read_bytes()
+        entry = sum(os.path.getsize(first / n) for n in (CONFIG_NAME, WEIGHTS_NAME))
+        assert remote.cache_bytes == 3 * entry  # every adapter fits by default
+        fields = remote.fresh_cache()
+        assert fields["adapter_cache_bytes"] == remote.cache_bytes and not os.listdir(fields["adapter_cache_dir"])
+        again = remote.fresh_cache()["adapter_cache_dir"]  # the next arm's: a new, empty folder
+        assert again != fields["adapter_cache_dir"] and not os.path.exists(fields["adapter_cache_dir"])
+    finally:
+        remote.close()
+    assert not os.path.exists(again)
+
+
+def test_remote_counters_are_the_node_caches_summed_over_replicas():
+    def snapshot(downloads: int, ahead: int, used: int, from_store: int) -> dict:
+        cache = {k: 0 for k in NODE_CACHE_COUNTERS}
+        cache.update(downloads=downloads, downloaded_bytes=100 * downloads, fetched_ahead=ahead,
+                     fetched_ahead_bytes=100 * ahead, fetched_ahead_used=used, fetched_ahead_used_bytes=100 * used)
+        return {"node_cache": cache, "hinted_from_store": from_store}
+
+    first = remote_delta(snapshot(1, 1, 0, 0), snapshot(5, 4, 2, 1))  # 4 downloads, 3 ahead, 2 used
+    second = remote_delta(snapshot(0, 0, 0, 0), snapshot(2, 2, 2, 1))
+    assert remote_delta({}, {}) == {**{k: 0 for k in NODE_CACHE_COUNTERS}, "hinted_from_store": 0}  # local adapters
+    delta = {"hinted_on_device": 3, "hinted_in_host": 1, "hinted_from_disk": 2,
+             "remote": {**{k: first[k] + second[k] for k in first}, "adapters_requested": 5}}
+    summary = remote_summary(delta)
+    assert summary["downloads"] == 6 and summary["fetched_bytes"] == 600 and summary["extra_downloads"] == 1
+    assert summary["wasted_fetches"] == 1 and summary["wasted_fetch_bytes"] == 100  # 5 ahead, 4 used
+    assert summary["hinted_from_store"] == 2 and summary["hinted_on_node_share"] == 6 / 8
+    assert hinted_hit_rate(delta) == 3 / 8  # the store tier counts among the hinted arrivals
+    assert remote_summary({"hinted_on_device": 0}) is None

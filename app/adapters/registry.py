@@ -135,6 +135,7 @@ class AdapterRegistry:
         self._roots = [str(root) for root in self.roots] + remote_roots  # for messages
         self._fetches = ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="adapter-fetch")
         self._fetching: set[CacheKey] = set()
+        self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
         # (URI, registered version) -> a newer version of its files, fetched and validated since
         self._newer: dict[tuple[str, str], RemoteFiles] = {}
         self._ahead = {"fetched_ahead": 0, "fetched_ahead_bytes": 0, "fetched_ahead_used": 0,
@@ -344,7 +345,7 @@ class AdapterRegistry:
                 break
             key = self._cache_key(spec)
             with self._lock:
-                if key in self._fetching or self.cache.contains(key):
+                if key in self._fetching or self._held(key):
                     continue
                 self._fetching.add(key)
             self._fetches.submit(self._fetch_one, spec, key)
@@ -383,7 +384,18 @@ class AdapterRegistry:
         """Whether the node holds the adapter's files (local adapters always are)."""
         if spec.remote is None:
             return True
-        return self.cache is not None and self.cache.contains(self._cache_key(spec))
+        return self.cache is not None and self._held(self._cache_key(spec))
+
+    def _held(self, key: CacheKey) -> bool:
+        """Whether the node holds `key`'s copy: known here once this replica has used or fetched it (no file-system
+        call on the engine thread, which asks for every demanded adapter at every step), else asked of the cache.
+        A copy another replica evicted since is found missing by the read, which fetches it again."""
+        if key in self._on_node:
+            return True
+        if self.cache.contains(key):
+            self._on_node.add(key)
+            return True
+        return False
 
     def _cache_key(self, spec: AdapterSpec) -> CacheKey:
         """The key of the version this node serves: the registered one, or a newer one validated since."""
@@ -424,8 +436,9 @@ class AdapterRegistry:
                 downloaded(nbytes)
 
         with self.cache.entry(CacheKey(str(spec.path), files.version), nbytes, fill) as folder:
-            if changed:  # validated: later reads go to this version's copy without asking the store again
-                with self._lock:
+            with self._lock:
+                self._on_node.add(CacheKey(str(spec.path), files.version))
+                if changed:  # validated: later reads go to this version's copy without asking the store again
                     self._newer[registered] = files
             yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
                           remote=None)

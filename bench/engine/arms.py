@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence

@@ -37,7 +37,7 @@ from bench.engine.driver import metrics_delta, vocab_ids
 from bench.engine.hints import max_rank_adapter_bytes
 from bench.serve.arms import (NOTES, REMOTE_NOTES, SERVE_ARMS, RequestResult, remote_delta, remote_line,
                               request_bodies, sum_deltas, summarize)
-from bench.serve.load import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
+from bench.serve.cluster import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
 from bench.workloads import SEQUENTIAL_ADAPTERS, WORKLOADS, make
 from deploy.state import find_router_state
 

@@ -24,7 +24,8 @@ from app.demo.build import ensure_demo
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from bench.common import REPO_DEMO, write_result
-from bench.serve.load import engine_loop, launch
+from bench.serve.cluster import engine_loop
+from bench.serve.load import launch
 from deploy.haproxy import HAPROXY_ENV
 
 PROMPT = "Tell me a story."

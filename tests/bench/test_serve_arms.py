@@ -7,7 +7,8 @@ import numpy as np
 
 from bench.engine.driver import COUNTERS, metrics_delta
 from bench.serve.arms import SERVE_ARMS, RequestResult, request_bodies, sum_deltas, summarize
-from bench.serve.load import app_args_for, parse_args, replica_overrides
+from bench.serve.cluster import app_args_for, replica_overrides
+from bench.serve.load import parse_args
 from bench.workloads import Arrival, make
 
 NAMES = [f"bench-{i:04d}" for i in range(8)]

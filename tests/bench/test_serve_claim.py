@@ -47,7 +47,7 @@ def test_the_engine_loop_a_launch_runs_is_recorded():
     """engine_process null (the app's default) is a process on CUDA and a thread on CPU; the results say which."""
     import torch
 
-    from bench.serve.load import engine_loop
+    from bench.serve.cluster import engine_loop
 
     assert engine_loop('{"engine_process": true}') == "process" and engine_loop('{"engine_process": false}') == "thread"
     assert engine_loop("{}") == ("process" if torch.cuda.is_available() else "thread")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from adapter_helpers import ATTN, BASE, edit_tensors, make_adapter, registry, root  # noqa: F401 (fixtures)
-from app.adapters.safetensors_file import read_adapter_file
+from app.adapters.safetensors_file import WEIGHTS_NAME, read_adapter_file
+from app.adapters.spec import load_weights, read_adapter
 from app.errors import AdapterLoadFailed, AdapterNonFinite
-from app.adapters.registry import WEIGHTS_NAME, load_weights, read_adapter
 from app.adapters.targets import target_shapes
 from prefetch.layout import PageLayout
 

@@ -251,7 +251,7 @@ def test_s3_store_down_fails_only_uncached_adapters(spare_moto, monkeypatch, reg
         registry.register("c", bucket.uri("adapters", "a"))
     local = registries([tmp_path / "local"])
     assert_same_bytes(registry.read(a), local.read(local.register("a", "a")))  # on the node: no store needed
-    with caplog.at_level(logging.WARNING, logger="app.adapters.registry"):
+    with caplog.at_level(logging.WARNING, logger="app.adapters.fetcher"):
         assert registry.fetch_ahead(["b"]) == 1  # starts, and never raises
         wait_for_fetches(registry)
     assert "fetching adapter 'b' ahead failed" in caplog.text and not registry.on_node("b")

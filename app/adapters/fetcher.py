@@ -1,0 +1,174 @@
+"""Remote adapters' bytes: read through the node's disk cache, and fetched into it ahead of their requests.
+
+The registry validates a remote adapter from its config and safetensors header alone; its weights come here
+when a load first reads them (`read`) or when a hint or a queued request asks for them early (`fetch_ahead`).
+A copy in the cache is keyed by URI and version, so an object changed in its store since registration is
+fetched again and validated against the registration before anything reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from app.adapters.format import CONFIG_NAME
+from app.adapters.node_cache import CacheKey, NodeCache
+from app.adapters.remote import RemoteStore
+from app.adapters.safetensors_file import WEIGHTS_NAME
+from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adapter
+from app.errors import AdapterInvalid, AdapterLoadFailed
+
+log = logging.getLogger(__name__)
+
+# (adapter_id, folder, weights file, config file) -> the spec of a local copy, fully checked
+ValidateFiles = Callable[[str, Path, Path, Path], AdapterSpec]
+
+
+class RemoteFetcher:
+    """Reads remote adapters through `cache` (None: the ingress's validator, which never reads weights) and
+    fetches them ahead on `workers` threads. Thread-safe: loads read on worker threads, the engine thread asks
+    `is_cached` and calls `fetch_ahead` at every step."""
+
+    def __init__(self, store: RemoteStore, cache: NodeCache | None, workers: int, validate_files: ValidateFiles):
+        self.store, self.cache, self._validate_files = store, cache, validate_files
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch")
+        self._fetching: set[CacheKey] = set()
+        self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
+        # (URI, registered version) -> a newer version of its files, fetched and validated since
+        self._newer: dict[tuple[str, str], RemoteFiles] = {}
+        self._ahead = {"fetched_ahead": 0, "fetched_ahead_bytes": 0, "fetched_ahead_used": 0,
+                       "fetched_ahead_used_bytes": 0}
+        self._unused_ahead: dict[CacheKey, int] = {}  # fetched ahead, not read since: key -> bytes
+
+    def read(self, spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
+        """The adapter's file from the node cache, fetched first where the node does not hold it."""
+        with self._fetched(spec) as local:
+            key = self._cache_key(spec)
+            with self._lock:
+                if (nbytes := self._unused_ahead.pop(key, None)) is not None:
+                    self._ahead["fetched_ahead_used"] += 1
+                    self._ahead["fetched_ahead_used_bytes"] += nbytes
+            return read_adapter(local, check_finite)
+
+    def fetch_ahead(self, specs: Sequence[AdapterSpec]) -> int:
+        """Start fetching `specs` (remote ones, nearest need first) into the node cache, only while those named so
+        far fit in half the cache: a fetch for a request far back must not evict an adapter that a nearer one
+        needs. Returns how many fetches started. Never blocks and never raises: a failed fetch is logged, and the
+        request that needs the adapter meets the fault when its own read repeats it."""
+        if self.cache is None:
+            return 0
+        room, started = self.cache.budget_bytes // 2, 0
+        for spec in specs:
+            room -= spec.nbytes
+            if room < 0:
+                break
+            key = self._cache_key(spec)
+            with self._lock:
+                if key in self._fetching or self._held(key):
+                    continue
+                self._fetching.add(key)
+            self._pool.submit(self._fetch_one, spec, key)
+            started += 1
+        return started
+
+    def is_cached(self, spec: AdapterSpec) -> bool:
+        """Whether the node holds the adapter's files."""
+        return self.cache is not None and self._held(self._cache_key(spec))
+
+    def snapshot(self) -> dict:
+        """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
+        with self._lock:
+            ahead = dict(self._ahead)
+        return {**self.cache.snapshot(), **ahead, "fetches_running": len(self._fetching)}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fetch_one(self, spec: AdapterSpec, key: CacheKey) -> None:
+        def downloaded(nbytes: int) -> None:  # before the entry is visible: no read can come first
+            with self._lock:
+                self._ahead["fetched_ahead"] += 1
+                self._ahead["fetched_ahead_bytes"] += nbytes
+                self._unused_ahead[key] = nbytes
+
+        try:
+            with self._fetched(spec, downloaded):
+                pass
+        except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
+            log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
+        finally:
+            with self._lock:
+                self._fetching.discard(key)
+
+    def _held(self, key: CacheKey) -> bool:
+        """Whether the node holds `key`'s copy: known here once this replica has used or fetched it (no file-system
+        call on the engine thread, which asks for every demanded adapter at every step), else asked of the cache.
+        A copy another replica evicted since is found missing by the read, which fetches it again."""
+        if key in self._on_node:
+            return True
+        if self.cache.contains(key):
+            self._on_node.add(key)
+            return True
+        return False
+
+    def _cache_key(self, spec: AdapterSpec) -> CacheKey:
+        """The key of the version this node serves: the registered one, or a newer one validated since."""
+        with self._lock:
+            files = self._newer.get((str(spec.path), spec.remote.version), spec.remote)
+        return CacheKey(str(spec.path), files.version)
+
+    @contextmanager
+    def _fetched(self, spec: AdapterSpec, downloaded: Callable[[int], None] | None = None) -> Iterator[AdapterSpec]:
+        """The spec of the adapter's copy in the node cache, held there for the block. On a miss, the store is
+        asked first whether the object is still the one registered; if it changed, the new bytes are fetched
+        and validated against the registration before anything reads them. `downloaded(nbytes)` is called when
+        this call is the one that downloads it, before the copy becomes visible."""
+        if self.cache is None:
+            raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': remote adapters need a node cache "
+                                    "(adapter_cache_dir)")
+        registered = (str(spec.path), spec.remote.version)
+        with self._lock:
+            files = self._newer.get(registered, spec.remote)
+        if not self.cache.contains(CacheKey(str(spec.path), files.version)):
+            current = RemoteFiles(self.store.stat(files.config.uri), self.store.stat(files.weights.uri))
+            if current.version != files.version:
+                log.info("adapter %r changed in its store since registration; validating the new version",
+                         spec.adapter_id)
+            files = current
+        changed = files.version != spec.remote.version
+        nbytes = files.config.size + files.weights.size
+
+        def fill(folder: Path) -> None:
+            for obj, name in ((files.config, CONFIG_NAME), (files.weights, WEIGHTS_NAME)):
+                self.store.download(obj, folder / name)
+            if changed:  # before the rename makes it visible to anyone
+                try:
+                    now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)
+                except AdapterInvalid as e:  # a read fails as `read_adapter` fails: AdapterLoadFailed
+                    raise AdapterLoadFailed(f"{e.message} (its new version in the store; re-register it)") from e
+                _check_same(spec, now)
+            if downloaded is not None:
+                downloaded(nbytes)
+
+        key = CacheKey(str(spec.path), files.version)
+        with self.cache.entry(key, nbytes, fill) as folder:
+            with self._lock:
+                self._on_node.add(key)
+                if changed:  # validated: later reads go to this version's copy without asking the store again
+                    self._newer[registered] = files
+            yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
+                          remote=None)
+
+
+def _check_same(registered: AdapterSpec, now: AdapterSpec) -> None:
+    for field in ("module_ranks", "module_scales", "module_shapes"):
+        if dict(getattr(registered, field)) != dict(getattr(now, field)):
+            raise AdapterLoadFailed(
+                f"adapter '{registered.adapter_id}': {registered.path} changed in its store since registration, "
+                f"and its {field.removeprefix('module_')} no longer match; re-register it")

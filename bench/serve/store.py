@@ -1,13 +1,19 @@
 """An emulated remote object store for the serve benchmarks: moto's S3 server on localhost, behind a proxy that
 adds a first-byte delay to every request and caps every connection's bandwidth, holding the bench's adapters.
 
-    python -m bench.serve.store --objects 4        # start it, upload 4 random 84 MB objects, print its figures
-    python -m bench.serve.store proxy --upstream-port 9000 --latency-ms 100 --mbps 150   # the proxy alone
+    python -m bench.serve.store --objects 8        # start it, upload 8 random 84 MB objects, print its figures
+    python -m bench.serve.store proxy --port 9100 --upstream-ports 9000 9001 --latency-ms 100 --mbps 150
 
-The app reads through the proxy (`env()`: AWS_ENDPOINT_URL and dummy keys); uploads go to moto directly. The
-proxy runs in its own process, so that the bytes it paces share no GIL with the benchmark's HTTP client.
+A real object store's throughput grows with the connections a client opens, and one moto process does not: it
+serves from one Python process, and on the H100's host it delivered 253 MB/s over 8 connections however many
+more it got. So the store runs as `shards` moto processes (StoreConfig), like a store partitioned by key: an
+adapter's weights live in one shard, chosen by its name (`shard_of`), and every smaller object (configs) in all
+of them, so that a listing or a config read on any shard sees every adapter. `proxies` proxy processes share one
+port (SO_REUSEPORT) and send each request to the shard that holds its object. The app reads through the proxies
+(`env()`: AWS_ENDPOINT_URL and dummy keys); uploads go to the shards directly. The proxies run in processes of
+their own, so that the bytes they pace share no GIL with the benchmark's HTTP client.
 moto keeps each object in memory up to MOTO_S3_DEFAULT_KEY_BUFFER_SIZE and spills larger ones to temporary
-files; the server here raises that bound to 1 GiB, so the objects stay in its memory (the device's disk holds the
+files; the shards here raise that bound to 1 GiB, so the objects stay in memory (the device's disk holds the
 base model and the node cache).
 """
 
@@ -26,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
@@ -40,16 +48,41 @@ KEY = "bench-key"  # moto accepts any key pair
 CHUNK = 256 * 1024  # bytes the proxy moves at once; also the token bucket's burst
 UPLOADS_AT_ONCE = 16
 MOTO_BUFFER_BYTES = 1 << 30  # objects up to this stay in moto's memory instead of temporary files
+WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's weights file (as app/adapters/safetensors_file.py names it, without
+# importing torch into the proxies): the one object of an adapter that lives in a single shard
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     latency_ms: float = 100.0  # first-byte delay of every request
     mbps: float = 150.0  # per-connection bandwidth cap, MB/s (10^6 bytes)
+    shards: int = 4  # moto processes, each holding its share of the weights and every small object
+    proxies: int = 2  # proxy processes on the one port
 
     def __post_init__(self):
         if self.latency_ms < 0 or self.mbps <= 0:
             raise ValueError(f"latency_ms ({self.latency_ms}) must be >= 0 and mbps ({self.mbps}) > 0")
+        if self.shards < 1 or self.proxies < 1:
+            raise ValueError(f"shards ({self.shards}) and proxies ({self.proxies}) must be >= 1")
+
+
+def shard_of(key: str, shards: int) -> int | None:
+    """The shard that holds the object at `key` (bucket/prefix/name/file): an adapter's weights live in the shard
+    its name hashes to; None for every other object, which every shard holds."""
+    folder, _, name = key.rstrip("/").rpartition("/")
+    if name != WEIGHTS_NAME or shards == 1:
+        return None
+    return zlib.crc32(folder.rpartition("/")[2].encode()) % shards
+
+
+def route(request_head: bytes, shards: int) -> int:
+    """The shard a request goes to, from its request line (`GET /bucket/key?query HTTP/1.1`); shard 0 for
+    requests on objects that every shard holds, and for listings."""
+    parts = request_head.split(b"\r\n", 1)[0].split(b" ")
+    if len(parts) < 2:
+        return 0
+    shard = shard_of(unquote(urlsplit(parts[1].decode("latin-1")).path), shards)
+    return 0 if shard is None else shard
 
 
 # --- the proxy -------------------------------------------------------------------------------------------
@@ -71,27 +104,31 @@ class TokenBucket:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
-async def _relay(client_reader, client_writer, upstream: tuple[str, int], latency_s: float, rate: float) -> None:
-    """One client connection: its requests go upstream as they come; each response's first bytes wait until
-    `latency_s` after its request's first bytes, and every response byte passes one token bucket. HTTP/1.1 sends a
-    connection's requests one after another, so 'the client wrote while no request awaited its response' marks a
-    new request (reads carry no body that could overlap their response)."""
-    try:
-        up_reader, up_writer = await asyncio.open_connection(*upstream)
-    except OSError:
-        client_writer.close()
-        return
+async def _relay(client_reader, client_writer, upstreams: list[tuple[str, int]], latency_s: float,
+                 rate: float) -> None:
+    """One client connection: each request goes to the shard that holds its object (`route`), over one upstream
+    connection per shard, opened when first needed; each response's first bytes wait until `latency_s` after its
+    request's first bytes, and every response byte passes one token bucket. HTTP/1.1 sends a connection's requests
+    one after another, so 'the client wrote while no request awaited its response' marks a new request (reads
+    carry no body that could overlap their response), and at most one upstream answers at a time."""
     loop, bucket = asyncio.get_running_loop(), TokenBucket(rate, CHUNK)
     sent_at: list[float] = []  # the awaiting request's first-byte time, if one awaits its response
+    writers: dict[int, asyncio.StreamWriter] = {}
+    ended = asyncio.Event()
+    tasks: list[asyncio.Task] = []
 
-    async def requests():
-        while data := await client_reader.read(CHUNK):
-            if not sent_at:
-                sent_at.append(loop.time())
-            up_writer.write(data)
-            await up_writer.drain()
+    def until_ended(coroutine) -> None:
+        async def run():
+            try:
+                await coroutine
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                ended.set()
 
-    async def responses():
+        tasks.append(asyncio.create_task(run()))
+
+    async def responses(up_reader):
         while data := await up_reader.read(CHUNK):
             if sent_at:
                 await asyncio.sleep(sent_at.pop() + latency_s - loop.time())
@@ -99,30 +136,43 @@ async def _relay(client_reader, client_writer, upstream: tuple[str, int], latenc
             client_writer.write(data)
             await client_writer.drain()
 
-    tasks = [asyncio.create_task(requests()), asyncio.create_task(responses())]
+    async def upstream(shard: int) -> asyncio.StreamWriter:
+        if shard not in writers:
+            up_reader, writers[shard] = await asyncio.open_connection(*upstreams[shard])
+            until_ended(responses(up_reader))
+        return writers[shard]
+
+    async def requests():
+        target = None
+        while data := await client_reader.read(CHUNK):
+            if not sent_at:
+                sent_at.append(loop.time())
+                target = await upstream(route(data, len(upstreams)))
+            target.write(data)
+            await target.drain()
+
+    until_ended(requests())
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    except (ConnectionError, OSError):
-        pass
+        await ended.wait()
     finally:
         for task in tasks:
             task.cancel()
-        for writer in (up_writer, client_writer):
+        for writer in [*writers.values(), client_writer]:
             writer.close()
 
 
-async def serve_proxy(upstream_port: int, config: StoreConfig) -> None:
-    """Listen on a free localhost port, print it, relay to `upstream_port` until killed."""
-    upstream, latency_s, rate = ("127.0.0.1", upstream_port), config.latency_ms / 1e3, config.mbps * 1e6
+async def serve_proxy(port: int, upstream_ports: list[int], config: StoreConfig) -> None:
+    """Listen on localhost `port` beside the other proxies (SO_REUSEPORT), relay to the shards until killed."""
+    upstreams = [("127.0.0.1", p) for p in upstream_ports]
+    latency_s, rate = config.latency_ms / 1e3, config.mbps * 1e6
 
     async def handle(reader, writer):
         try:
-            await _relay(reader, writer, upstream, latency_s, rate)
+            await _relay(reader, writer, upstreams, latency_s, rate)
         except (ConnectionError, OSError):
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=CHUNK)
-    print(server.sockets[0].getsockname()[1], flush=True)
+    server = await asyncio.start_server(handle, "127.0.0.1", port, limit=CHUNK, reuse_port=True)
     async with server:
         await server.serve_forever()
 
@@ -141,86 +191,109 @@ def _free_port() -> int:
 
 
 class EmulatedStore:
-    """moto's S3 server and the proxy as child processes; `close()` (or the `with` block's end) stops them."""
+    """The moto shards and the proxies as child processes; `close()` (or the `with` block's end) stops them."""
 
     def __init__(self, config: StoreConfig = StoreConfig()):
         self.config = config
-        self.moto_port = _free_port()
+        self.moto_ports = [_free_port() for _ in range(config.shards)]
+        self.proxy_port = _free_port()
         env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(MOTO_BUFFER_BYTES)}
-        self._moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                       str(self.moto_port)], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        self._proxy = subprocess.Popen([sys.executable, "-m", "bench.serve.store", "proxy", "--upstream-port",
-                                        str(self.moto_port), "--latency-ms", str(config.latency_ms), "--mbps",
-                                        str(config.mbps)], stdout=subprocess.PIPE, text=True,
-                                       cwd=Path(__file__).resolve().parents[2], preexec_fn=_die_with_parent)
+        self._moto = [subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       preexec_fn=_die_with_parent) for port in self.moto_ports]
+        proxy = [sys.executable, "-m", "bench.serve.store", "proxy", "--port", str(self.proxy_port),
+                 "--upstream-ports", *map(str, self.moto_ports), "--latency-ms", str(config.latency_ms),
+                 "--mbps", str(config.mbps)]
+        self._proxies = [subprocess.Popen(proxy, cwd=Path(__file__).resolve().parents[2],
+                                          preexec_fn=_die_with_parent) for _ in range(config.proxies)]
         try:
-            self.proxy_port = int(self._proxy.stdout.readline())
-            self._wait_for_moto()
+            for process, port in zip(self._moto, self.moto_ports):
+                self._wait_for(process, f"http://127.0.0.1:{port}/moto-api/", "moto's server (is moto[server] "
+                               "installed?)")
+            for process in self._proxies:  # each answers for itself only once the port has them all
+                self._wait_for(process, None, "the proxy")
         except BaseException:
             self.close()
             raise
         self.root = f"s3://{BUCKET}/{PREFIX}"
 
-    def _wait_for_moto(self, timeout_s: float = 60.0) -> None:
+    def _wait_for(self, process: subprocess.Popen, url: str | None, what: str, timeout_s: float = 60.0) -> None:
+        """Until `url` answers (None: until the proxy port accepts a connection), or the process exits."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if self._moto.poll() is not None:
-                raise RuntimeError(f"moto's server exited with {self._moto.returncode} (is moto[server] installed?)")
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {process.returncode}")
             try:
-                httpx.get(f"http://127.0.0.1:{self.moto_port}/moto-api/", timeout=2)
+                if url is not None:
+                    httpx.get(url, timeout=2)
+                else:
+                    socket.create_connection(("127.0.0.1", self.proxy_port), timeout=2).close()
                 return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, OSError):
                 time.sleep(0.2)
-        raise TimeoutError(f"moto's server did not answer on port {self.moto_port} within {timeout_s:.0f} s")
+        raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
 
     def env(self) -> dict[str, str]:
         """What a client of the emulated store needs: the proxy's endpoint, dummy keys, a region."""
         return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy_port}", "AWS_ACCESS_KEY_ID": KEY,
                 "AWS_SECRET_ACCESS_KEY": KEY, "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
 
-    def filesystem(self, direct: bool):
-        """An s3fs filesystem on moto itself (direct) or through the proxy, fresh (no cached connections)."""
+    def filesystem(self, direct: bool, shard: int = 0):
+        """An s3fs filesystem on one moto shard itself (direct) or through the proxies, fresh (no cached
+        connections)."""
         import s3fs
 
-        port = self.moto_port if direct else self.proxy_port
+        port = self.moto_ports[shard] if direct else self.proxy_port
         return s3fs.S3FileSystem(key=KEY, secret=KEY, endpoint_url=f"http://127.0.0.1:{port}",
                                  client_kwargs={"region_name": REGION}, skip_instance_cache=True)
 
     def upload(self, folders: list[Path], names: list[str]) -> dict:
-        """Adapter folder i as `names[i]` under the root: each distinct folder's files uploaded to moto directly,
-        UPLOADS_AT_ONCE files at once; a folder that appears again is copied inside the store (its name differs,
-        its bytes repeat)."""
-        fs, started = self.filesystem(direct=True), time.perf_counter()
-        if not fs.exists(BUCKET):
-            fs.mkdir(BUCKET)
-        first: dict[Path, str] = {}
-        puts, copies = ([], []), ([], [])
+        """Adapter folder i as `names[i]` under the root, each file into the shards that hold it (`shard_of`): a
+        file's first copy in a shard is uploaded there directly, UPLOADS_AT_ONCE files at once per shard, and a
+        folder that appears again is copied inside the shard where its first copy is (its name differs, its bytes
+        repeat). The shards are filled at once."""
+        started, shards = time.perf_counter(), range(self.config.shards)
+        puts = {shard: ([], []) for shard in shards}
+        copies = {shard: ([], []) for shard in shards}
+        first: dict[tuple[Path, int], str] = {}  # (local file, shard) -> its first key there
         for folder, name in zip(folders, names):
-            pairs = puts if folder not in first else copies
-            source = str(folder) if folder not in first else first[folder]
-            first.setdefault(folder, f"{BUCKET}/{PREFIX}/{name}")
-            for file in sorted(f.name for f in folder.iterdir() if f.is_file()):
-                pairs[0].append(f"{source}/{file}")
-                pairs[1].append(f"{BUCKET}/{PREFIX}/{name}/{file}")
-        fs.put(*puts, batch_size=UPLOADS_AT_ONCE)
-        uploaded_s = time.perf_counter() - started
-        if copies[0]:
-            fs.copy(*copies, batch_size=UPLOADS_AT_ONCE)
-        sizes = [os.path.getsize(p) for p in puts[0]]
-        return {"adapters": len(names), "distinct": len(first), "uploaded_bytes": sum(sizes),
-                "upload_s": uploaded_s, "upload_mb_per_s": sum(sizes) / uploaded_s / 1e6,
-                "copied_in_store": len(copies[0]) // 2, "total_s": time.perf_counter() - started}
+            for file in sorted(f for f in folder.iterdir() if f.is_file()):
+                key = f"{BUCKET}/{PREFIX}/{name}/{file.name}"
+                held_by = shard_of(key, self.config.shards)
+                for shard in shards if held_by is None else [held_by]:
+                    source = first.setdefault((file, shard), key)
+                    pairs = puts[shard] if source == key else copies[shard]
+                    pairs[0].append(str(file) if source == key else source)
+                    pairs[1].append(key)
 
-    def measure(self, uri: str, repeats: int = 5, connections: int = 8) -> dict:
-        """The store's figures as a client through the proxy sees them (the floor under any fetch): time to first
-        byte of a 1 KiB ranged GET (median over `repeats`, on a warm connection); one GET of the whole object on
-        one connection; `connections` ranged GETs of the app's part size at once, twice over (what the store and
-        the proxy deliver together); and the app's own download of the object (RemoteStore.download) alone."""
+        def fill(shard: int) -> None:
+            fs = self.filesystem(direct=True, shard=shard)
+            if not fs.exists(BUCKET):
+                fs.mkdir(BUCKET)
+            if puts[shard][0]:
+                fs.put(*puts[shard], batch_size=UPLOADS_AT_ONCE)
+            if copies[shard][0]:
+                fs.copy(*copies[shard], batch_size=UPLOADS_AT_ONCE)
+
+        with ThreadPoolExecutor(self.config.shards) as pool:
+            list(pool.map(fill, shards))
+        sizes = [os.path.getsize(p) for shard in shards for p in puts[shard][0]]
+        elapsed = time.perf_counter() - started
+        return {"adapters": len(names), "distinct": len(set(folders)), "shards": self.config.shards,
+                "uploaded_objects": len(sizes), "uploaded_bytes": sum(sizes),
+                "upload_mb_per_s": sum(sizes) / elapsed / 1e6,
+                "copied_in_store": sum(len(copies[shard][0]) for shard in shards), "total_s": elapsed}
+
+    def measure(self, uris: list[str], repeats: int = 5, connections: int = 8) -> dict:
+        """The store's figures as a client through the proxies sees them (the floor under any fetch), on the
+        first of `uris`: time to first byte of a 1 KiB ranged GET (median over `repeats`, on a warm connection);
+        one GET of the whole object on one connection; the app's own download of it (RemoteStore.download) alone.
+        Over all of `uris` (objects in several shards): `connections` ranged GETs of the app's part size at once,
+        twice over, one object after another (what the shards and the proxies deliver together)."""
         from app.adapters.remote import PART_BYTES
 
         fs = self.filesystem(direct=False)
-        path = uri.removeprefix("s3://")
+        uri, path = uris[0], uris[0].removeprefix("s3://")
         size = fs.info(path)["size"]  # also opens the connection
         ttfb = []
         for _ in range(repeats):
@@ -231,17 +304,19 @@ class EmulatedStore:
         whole = len(fs.cat_file(path))
         whole_s = time.perf_counter() - t
         assert whole == size, f"read {whole} of {size} bytes"
-        starts = [(i * PART_BYTES) % max(size - PART_BYTES, 1) for i in range(2 * connections)]
+        paths = [u.removeprefix("s3://") for u in uris]
+        reads = [(paths[i % len(paths)], (i * PART_BYTES) % max(size - PART_BYTES, 1)) for i in range(2 * connections)]
         t = time.perf_counter()
         with ThreadPoolExecutor(connections) as pool:
-            parallel = sum(pool.map(lambda start: len(fs.cat_file(path, start=start, end=start + PART_BYTES)),
-                                    starts))
+            parallel = sum(pool.map(lambda read: len(fs.cat_file(read[0], start=read[1], end=read[1] + PART_BYTES)),
+                                    reads))
         parallel_s = time.perf_counter() - t
         first_byte_s = statistics.median(ttfb)
         return {"object_bytes": size, "ttfb_ms_p50": 1e3 * first_byte_s, "ttfb_ms_max": 1e3 * max(ttfb),
                 "get_whole_s": whole_s, "single_connection_mb_per_s": size / whole_s / 1e6,
                 "single_connection_mb_per_s_after_first_byte": size / max(whole_s - first_byte_s, 1e-9) / 1e6,
-                "connections": connections, "parallel_mb_per_s": parallel / parallel_s / 1e6,
+                "connections": connections, "parallel_objects": len(uris),
+                "parallel_mb_per_s": parallel / parallel_s / 1e6,
                 "app_download_s": self._app_download_s(uri)}
 
     def _app_download_s(self, uri: str) -> float:
@@ -264,15 +339,14 @@ class EmulatedStore:
                 s3fs.S3FileSystem.clear_instance_cache()
 
     def close(self) -> None:
-        for process in (self._proxy, self._moto):
+        for process in [*self._proxies, *self._moto]:
             if process.poll() is None:
                 process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-        if self._proxy.stdout:
-            self._proxy.stdout.close()
+        for process in [*self._proxies, *self._moto]:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
     def __enter__(self):
         return self
@@ -295,7 +369,7 @@ class RemoteAdapters:
             os.environ.update(self.store.env())
             self.upload = self.store.upload(folders, names)
             weights = max((f for f in folders[0].iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
-            self.floor = self.store.measure(f"{self.store.root}/{names[0]}/{weights.name}")
+            self.floor = self.store.measure([f"{self.store.root}/{name}/{weights.name}" for name in names[:8]])
         except BaseException:
             self.store.close()
             raise
@@ -335,27 +409,31 @@ def describe(config: StoreConfig) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("role", nargs="?", default="demo", choices=["demo", "proxy"])
-    parser.add_argument("--upstream-port", type=int)
+    parser.add_argument("--port", type=int, help="proxy: the port it shares with the other proxies")
+    parser.add_argument("--upstream-ports", type=int, nargs="+", help="proxy: the shards' ports, in shard order")
     parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
     parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
-    parser.add_argument("--objects", type=int, default=4, help="demo: random objects of --object-mb to upload")
+    parser.add_argument("--shards", type=int, default=StoreConfig.shards)
+    parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    parser.add_argument("--objects", type=int, default=8, help="demo: random objects of --object-mb to upload")
     parser.add_argument("--object-mb", type=float, default=83.9)
     args = parser.parse_args(argv)
-    config = StoreConfig(args.latency_ms, args.mbps)
     if args.role == "proxy":
-        asyncio.run(serve_proxy(args.upstream_port, config))
+        config = StoreConfig(args.latency_ms, args.mbps, len(args.upstream_ports))
+        asyncio.run(serve_proxy(args.port, args.upstream_ports, config))
         return
+    config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
     scratch = Path(tempfile.mkdtemp(prefix="store-demo-"))
     try:
         folders = []
         for i in range(args.objects):
             folder = scratch / f"object-{i}"
             folder.mkdir()
-            (folder / "object.bin").write_bytes(os.urandom(int(args.object_mb * 1e6)))
+            (folder / WEIGHTS_NAME).write_bytes(os.urandom(int(args.object_mb * 1e6)))
             folders.append(folder)
         with EmulatedStore(config) as store:
             upload = store.upload(folders, [f.name for f in folders])
-            floor = store.measure(f"{store.root}/{folders[0].name}/object.bin")
+            floor = store.measure([f"{store.root}/{f.name}/{WEIGHTS_NAME}" for f in folders])
             print(json.dumps({"store": describe(config), "upload": upload, "floor": floor}, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

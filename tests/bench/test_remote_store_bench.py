@@ -1,6 +1,7 @@
 """The serve bench's emulated remote store without Ray: moto's S3 server behind the proxy delays each response's
-first byte and caps each connection's bandwidth as configured, the bench's adapters upload to it, and a run's node
-cache counters add up over replicas."""
+first byte and caps each connection's bandwidth as configured, an adapter's weights live in one shard and every
+other object in all of them, the proxies route each request to its object's shard, the bench's adapters upload
+to it, and a run's node cache counters add up over replicas."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 
 from bench.adapter_pool import CONFIG_NAME, WEIGHTS_NAME
 from bench.serve.arms import NODE_CACHE_COUNTERS, hinted_hit_rate, remote_delta, remote_summary
-from bench.serve.store import EmulatedStore, RemoteAdapters, StoreConfig
+from bench.serve.store import EmulatedStore, RemoteAdapters, StoreConfig, route, shard_of
 
 pytest.importorskip("moto.server")
 
@@ -34,9 +35,9 @@ def test_proxy_delays_first_bytes_and_caps_bandwidth(tmp_path):
     blob.mkdir()
     (blob / CONFIG_NAME).write_text("{}")
     (blob / WEIGHTS_NAME).write_bytes(os.urandom(6_000_000))
-    with EmulatedStore(StoreConfig(LATENCY_MS, MBPS)) as store:
+    with EmulatedStore(StoreConfig(LATENCY_MS, MBPS, shards=1, proxies=1)) as store:
         store.upload([blob], ["blob"])
-        floor = store.measure(f"{store.root}/blob/{WEIGHTS_NAME}", repeats=3, connections=2)
+        floor = store.measure([f"{store.root}/blob/{WEIGHTS_NAME}"], repeats=3, connections=2)
     assert LATENCY_MS <= floor["ttfb_ms_p50"] < LATENCY_MS + 1000
     # One GET of 6 MB at 20 MB/s takes 0.3 s after its first byte; moto alone is several times faster.
     assert MBPS / 3 < floor["single_connection_mb_per_s_after_first_byte"] <= MBPS * 1.15
@@ -48,10 +49,12 @@ def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, monkeypatch)
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION"):
         monkeypatch.delenv(key, raising=False)  # RemoteAdapters sets them for the Ray workers to come
     first, second = tiny_adapter(tmp_path / "a", 0), tiny_adapter(tmp_path / "b", 1)
-    remote = RemoteAdapters(StoreConfig(0.0, 1000.0), [first, second, first], ["x-0", "x-1", "x-2"],
-                            cache_adapters=None, cache_root=str(tmp_path))
+    remote = RemoteAdapters(StoreConfig(0.0, 1000.0, shards=2, proxies=2), [first, second, first],
+                            ["x-0", "x-1", "x-2"], cache_adapters=None, cache_root=str(tmp_path))
     try:
-        assert remote.upload["distinct"] == 2 and remote.upload["copied_in_store"] == 1
+        # each adapter's config in both shards, its weights in one: 9 objects, each uploaded or copied once
+        assert remote.upload["distinct"] == 2
+        assert remote.upload["uploaded_objects"] + remote.upload["copied_in_store"] == 3 * (2 + 1)
         assert os.environ["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{remote.store.proxy_port}"
         through_proxy = remote.store.filesystem(direct=False)
         root = remote.root.removeprefix("s3://")
@@ -67,6 +70,29 @@ def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, monkeypatch)
     finally:
         remote.close()
     assert not os.path.exists(again)
+
+
+def test_weights_live_in_one_shard_and_requests_find_them(tmp_path):
+    folders = [tiny_adapter(tmp_path / f"a{i}", i) for i in range(6)]
+    names = [f"adapter-{i}" for i in range(6)]
+    shards = {shard_of(f"b/p/{name}/{WEIGHTS_NAME}", 3) for name in names}
+    assert len(shards) > 1 and shard_of(f"b/p/{names[0]}/{CONFIG_NAME}", 3) is None
+    assert route(f"GET /b/p/{names[0]}/{WEIGHTS_NAME}?x=1 HTTP/1.1\r\nHost: h\r\n".encode(), 3) == \
+        shard_of(f"b/p/{names[0]}/{WEIGHTS_NAME}", 3)
+    assert route(b"GET /b?list-type=2&prefix=p%2F HTTP/1.1\r\n", 3) == 0 and route(b"garbage", 3) == 0
+    with EmulatedStore(StoreConfig(0.0, 1000.0, shards=3, proxies=2)) as store:
+        store.upload(folders, names)
+        root = store.root.removeprefix("s3://")
+        for shard in range(3):
+            direct = store.filesystem(direct=True, shard=shard)
+            assert sorted(p.rsplit("/", 1)[1] for p in direct.ls(root)) == names  # every config everywhere
+            held = {name for name in names if direct.exists(f"{root}/{name}/{WEIGHTS_NAME}")}
+            assert held == {name for name in names if shard_of(f"{root}/{name}/{WEIGHTS_NAME}", 3) == shard}
+        through_proxies = store.filesystem(direct=False)
+        for folder, name in zip(folders, names):
+            for file in (CONFIG_NAME, WEIGHTS_NAME):
+                assert through_proxies.cat_file(f"{root}/{name}/{file}") == (folder / file).read_bytes()
+            assert through_proxies.info(f"{root}/{name}/{WEIGHTS_NAME}")["size"] == (folder / WEIGHTS_NAME).stat().st_size
 
 
 def test_remote_counters_are_the_node_caches_summed_over_replicas():

@@ -13,6 +13,7 @@ from ray import serve
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from app.adapters.registry import VALIDATIONS_AT_ONCE
 from app.api.fanout import generate_choices, merge_chunks, output_chunk
 from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
 from app.engine.async_engine import AsyncEngine
@@ -25,7 +26,6 @@ from deploy.state import find_router_state
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
-REGISTER_AT_ONCE = 16  # registrations validated at once while a replica syncs its registry
 ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
 HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk",
                 "hinted_from_store": "store"}
@@ -122,9 +122,9 @@ class LoRAReplica:
             self._wanted = dict(wanted)
             for name in [n for n in self.adapters if n not in wanted]:
                 await self._sync_one(name)
-            # At once, a few at a time: a remote adapter's validation is a handful of round trips to its store,
-            # and hundreds of them one after another would hold a replica's start for minutes.
-            gate = asyncio.Semaphore(REGISTER_AT_ONCE)
+            # At once, a few at a time: a remote adapter's validation waits a round trip to its store, and
+            # hundreds of them one after another would hold a replica's start for a minute.
+            gate = asyncio.Semaphore(VALIDATIONS_AT_ONCE)
 
             async def sync(name: str) -> None:
                 async with gate:

@@ -13,6 +13,7 @@ import re
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 
@@ -47,6 +48,10 @@ from app.errors import (
 
 DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 _MAX_CONFIG_BYTES = 1024 * 1024
+# A remote weights file's first bytes, read with the registration's other requests: the header's size and, for
+# adapters of up to several thousand tensors, the whole header.
+_HEAD_BYTES = 256 * 1024
+VALIDATIONS_AT_ONCE = 16  # remote registrations whose reads run at once (a replica syncs 16 at a time)
 _ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def validate_adapter_id(adapter_id: str) -> str:
@@ -95,6 +100,8 @@ class AdapterRegistry:
         self.cache = cache
         self._roots = [str(root) for root in self.roots] + remote_roots  # for messages
         self.fetcher = RemoteFetcher(self.store, cache, fetch_workers, self._validate_files) if self.store else None
+        self._validation_reads = ThreadPoolExecutor(max_workers=4 * VALIDATIONS_AT_ONCE,
+                                                    thread_name_prefix="adapter-validate") if self.store else None
         self.max_rank = max_rank
         self.max_adapter_bytes = max_adapter_bytes
         # Only the base's own targets: an adapter for another architecture's names is refused by name.
@@ -207,20 +214,28 @@ class AdapterRegistry:
             raise type(e)(f"adapter '{adapter_id}': {e.message}", retry_after_s=e.retry_after_s) from e
 
     def _check_remote(self, adapter_id: str, uri: str) -> AdapterSpec:
-        weights_object = self._stat_remote(adapter_id, uri, WEIGHTS_NAME)
-        config_object = self._stat_remote(adapter_id, uri, CONFIG_NAME)
+        # The four reads go out at once, so that a registration waits one round trip to the store instead of five
+        # (stat both files, read the config, read the header's size, read the header); the checks then run in
+        # the order a local folder's do, so a fault is reported as it would be there.
+        reads = self._validation_reads
+        weights_stat = reads.submit(self._stat_remote, adapter_id, uri, WEIGHTS_NAME)
+        config_stat = reads.submit(self._stat_remote, adapter_id, uri, CONFIG_NAME)
+        head = reads.submit(self.store.read, f"{uri}/{WEIGHTS_NAME}", 0, _HEAD_BYTES)
+        config_read = reads.submit(self.store.read, f"{uri}/{CONFIG_NAME}", 0, _MAX_CONFIG_BYTES + 1)
+        weights_object, config_object = weights_stat.result(), config_stat.result()
         if weights_object.size > self.max_adapter_bytes:
             raise AdapterTooLarge(f"adapter '{adapter_id}': {weights_object.uri} is {weights_object.size} bytes > "
                                   f"max_adapter_bytes {self.max_adapter_bytes}")
-        if config_object.size > _MAX_CONFIG_BYTES:  # before reading it
+        config_bytes = config_read.result()
+        if config_object.size > _MAX_CONFIG_BYTES or len(config_bytes) > _MAX_CONFIG_BYTES:
             raise AdapterFormatError(f"adapter '{adapter_id}': {config_object.uri} is {config_object.size} bytes; "
                                      f"at most {_MAX_CONFIG_BYTES} are read")
-        config_bytes = self.store.read_all(config_object.uri, _MAX_CONFIG_BYTES)
         with tempfile.TemporaryDirectory() as scratch:  # PEFT parses configs from files
             config_file = Path(scratch) / CONFIG_NAME
             config_file.write_bytes(config_bytes)
             config = read_config(adapter_id, config_file)
-        header = read_header(adapter_id, _RangedReader(self.store, weights_object.uri), weights_object.size)
+        reader = _RangedReader(self.store, weights_object.uri, head.result())
+        header = read_header(adapter_id, reader, weights_object.size)
         return self._spec(adapter_id, uri, header, config, weights_object.size,
                           remote=RemoteFiles(config_object, weights_object))
 
@@ -300,6 +315,7 @@ class AdapterRegistry:
     def shutdown(self) -> None:
         if self.fetcher is not None:
             self.fetcher.shutdown()
+            self._validation_reads.shutdown(wait=False, cancel_futures=True)
             self.store.shutdown()
 
     def _resolve_folder(self, adapter_id: str, path: str | Path) -> Path:
@@ -347,12 +363,16 @@ class AdapterRegistry:
 
 
 class _RangedReader:
-    """Sequential `read` over ranged reads of a remote file: enough for `read_header`."""
+    """Sequential `read` over a remote file's first bytes, read already, then ranged reads beyond them: enough for
+    `read_header`."""
 
-    def __init__(self, store: RemoteStore, uri: str):
-        self.store, self.uri, self.position = store, uri, 0
+    def __init__(self, store: RemoteStore, uri: str, head: bytes = b""):
+        self.store, self.uri, self.head, self.position = store, uri, head, 0
 
     def read(self, n: int) -> bytes:
-        data = self.store.read(self.uri, self.position, self.position + n)
+        end = self.position + n
+        data = self.head[self.position:end]
+        if len(data) < n and len(self.head) == _HEAD_BYTES:  # the head was cut short of the file's end
+            data += self.store.read(self.uri, self.position + len(data), end)
         self.position += len(data)
         return data

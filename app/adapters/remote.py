@@ -38,6 +38,7 @@ _URI_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.D
 _FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\?#]")  # control characters, spaces, backslashes, queries, fragments
 PART_BYTES = 16 * 1024 * 1024  # one ranged GET of a large file; parts of one file are fetched at once
 _STORE_RETRY_AFTER_S = 5
+_S3_CONNECTIONS = 96
 
 
 def is_remote(path: str | Path) -> bool:
@@ -165,8 +166,9 @@ class RemoteStore:
     def _options(self, scheme: str) -> dict:
         # Bounded waits, so that a store that hangs fails its requests instead of holding them.
         if scheme == "s3":
+            # botocore's pool holds 10 connections: fewer than the reads that registrations and downloads run at once
             return {"config_kwargs": {"connect_timeout": min(10.0, self.timeout_s), "read_timeout": self.timeout_s,
-                                      "retries": {"max_attempts": 2}}}
+                                      "retries": {"max_attempts": 2}, "max_pool_connections": _S3_CONNECTIONS}}
         if scheme in ("http", "https"):
             import aiohttp
 

@@ -2,6 +2,7 @@
 adds a first-byte delay to every request and caps every connection's bandwidth, holding the bench's adapters.
 
     python -m bench.serve.store --objects 8        # start it, upload 8 random 84 MB objects, print its figures
+    python -m bench.serve.store register --adapters 64   # time the app registering 64 demo adapters from it
     python -m bench.serve.store proxy --port 9100 --upstream-ports 9000 9001 --latency-ms 100 --mbps 150
 
 A real object store's throughput grows with the connections a client opens, and one moto process does not: it
@@ -406,9 +407,39 @@ def describe(config: StoreConfig) -> dict:
             **asdict(config)}
 
 
+def time_registrations(config: StoreConfig, count: int) -> dict:
+    """The app's registry registering `count` adapters (the tiny demo's, repeated) from the store, one at a time and
+    VALIDATIONS_AT_ONCE at a time, as a replica does when it starts."""
+    from transformers import AutoConfig
+
+    from app.adapters.registry import VALIDATIONS_AT_ONCE, AdapterRegistry
+    from app.demo.build import ensure_demo
+    from bench.common import REPO_DEMO
+
+    demo = ensure_demo(REPO_DEMO / "tiny")
+    folders = sorted(f for f in (demo / "adapters").iterdir() if f.is_dir())
+    names = [f"adapter-{i}" for i in range(count)]
+    out = {"adapters": count}
+    with EmulatedStore(config) as store, mock.patch.dict(os.environ, store.env()):
+        store.upload([folders[i % len(folders)] for i in range(count)], names)
+        for at_once in (1, VALIDATIONS_AT_ONCE):
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
+            registry = AdapterRegistry([store.root], AutoConfig.from_pretrained(demo / "base"), 64)
+            try:
+                started = time.perf_counter()
+                with ThreadPoolExecutor(at_once) as pool:
+                    list(pool.map(lambda name: registry.register(name, f"{store.root}/{name}"), names))
+                out[f"seconds_{at_once}_at_once"] = time.perf_counter() - started
+            finally:
+                registry.shutdown()
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="demo", choices=["demo", "proxy"])
+    parser.add_argument("role", nargs="?", default="demo", choices=["demo", "proxy", "register"])
     parser.add_argument("--port", type=int, help="proxy: the port it shares with the other proxies")
     parser.add_argument("--upstream-ports", type=int, nargs="+", help="proxy: the shards' ports, in shard order")
     parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
@@ -417,12 +448,16 @@ def main(argv=None) -> None:
     parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
     parser.add_argument("--objects", type=int, default=8, help="demo: random objects of --object-mb to upload")
     parser.add_argument("--object-mb", type=float, default=83.9)
+    parser.add_argument("--adapters", type=int, default=64, help="register: copies of the tiny demo's adapters")
     args = parser.parse_args(argv)
     if args.role == "proxy":
         config = StoreConfig(args.latency_ms, args.mbps, len(args.upstream_ports))
         asyncio.run(serve_proxy(args.port, args.upstream_ports, config))
         return
     config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+    if args.role == "register":
+        print(json.dumps({"store": describe(config), **time_registrations(config, args.adapters)}, indent=1))
+        return
     scratch = Path(tempfile.mkdtemp(prefix="store-demo-"))
     try:
         folders = []

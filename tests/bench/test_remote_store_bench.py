@@ -6,6 +6,7 @@ to it, and a run's node cache counters add up over replicas."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,34 @@ def test_weights_live_in_one_shard_and_requests_find_them(tmp_path):
             for file in (CONFIG_NAME, WEIGHTS_NAME):
                 assert through_proxies.cat_file(f"{root}/{name}/{file}") == (folder / file).read_bytes()
             assert through_proxies.info(f"{root}/{name}/{WEIGHTS_NAME}")["size"] == (folder / WEIGHTS_NAME).stat().st_size
+
+
+def test_a_remote_registration_waits_about_one_round_trip(tmp_path, monkeypatch, demo_dir):
+    """The registry's four reads (both files' stats, the config, the header) go out at once: through a store that
+    delays every response by 300 ms, one registration takes well under the 1.5 s that five reads in turn take."""
+    from transformers import AutoConfig
+
+    from app.adapters.registry import AdapterRegistry
+
+    latency_s = 0.3
+    with EmulatedStore(StoreConfig(latency_s * 1e3, 1000.0, shards=1, proxies=1)) as store:
+        store.upload([Path(demo_dir) / "adapters" / "pirate"], ["pirate"])
+        for key, value in store.env().items():
+            monkeypatch.setenv(key, value)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
+        registry = AdapterRegistry([store.root], AutoConfig.from_pretrained(Path(demo_dir) / "base"), 16)
+        try:
+            registry.register("warm", f"{store.root}/pirate")  # opens the connections
+            started = time.perf_counter()
+            spec = registry.register("pirate", f"{store.root}/pirate")
+            elapsed = time.perf_counter() - started
+        finally:
+            registry.shutdown()
+            s3fs.S3FileSystem.clear_instance_cache()
+    assert spec.remote is not None and spec.rank > 0
+    assert latency_s <= elapsed < 2.5 * latency_s, elapsed
 
 
 def test_remote_counters_are_the_node_caches_summed_over_replicas():

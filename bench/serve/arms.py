@@ -79,8 +79,8 @@ REMOTE_NOTES = [
     "response byte by latency_ms and cap each connection at mbps (bench/serve/store.py); floor holds what a "
     "client measured through it in the same run (ttfb_ms_p50 of a 1 KiB ranged GET, single_connection_mb_per_s of "
     "one GET of a whole adapter, parallel_mb_per_s of `connections` ranged GETs at once over parallel_objects "
-    "adapters, app_download_s of one adapter fetched as a replica fetches it). Each arm started with an empty node cache of node_cache_bytes, and no "
-    "host cache was filled before the runs.",
+    "adapters, app_download_s of one adapter fetched as a replica fetches it). Each arm started with an empty "
+    "node cache of node_cache_bytes, and no host cache was filled before the runs.",
     "remote: the node cache's counters over the run, summed over the replicas (each counts what its own process "
     "did in the cache they share, so the sum is the node's): fetched_bytes and downloads from the store, "
     "cache_hits, waited_for_other (another replica was fetching it). adapters_requested: the distinct adapters of "

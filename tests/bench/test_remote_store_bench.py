@@ -93,7 +93,8 @@ def test_weights_live_in_one_shard_and_requests_find_them(tmp_path):
         for folder, name in zip(folders, names):
             for file in (CONFIG_NAME, WEIGHTS_NAME):
                 assert through_proxies.cat_file(f"{root}/{name}/{file}") == (folder / file).read_bytes()
-            assert through_proxies.info(f"{root}/{name}/{WEIGHTS_NAME}")["size"] == (folder / WEIGHTS_NAME).stat().st_size
+            size = through_proxies.info(f"{root}/{name}/{WEIGHTS_NAME}")["size"]
+            assert size == (folder / WEIGHTS_NAME).stat().st_size
 
 
 def test_a_remote_registration_waits_about_one_round_trip(tmp_path, monkeypatch, demo_dir):

@@ -226,7 +226,7 @@ class AdapterRegistry:
         if weights_object.size > self.max_adapter_bytes:
             raise AdapterTooLarge(f"adapter '{adapter_id}': {weights_object.uri} is {weights_object.size} bytes > "
                                   f"max_adapter_bytes {self.max_adapter_bytes}")
-        config_bytes = config_read.result()
+        config_bytes = config_read.result() if config_object.size else b""  # a store refuses ranges of nothing
         if config_object.size > _MAX_CONFIG_BYTES or len(config_bytes) > _MAX_CONFIG_BYTES:
             raise AdapterFormatError(f"adapter '{adapter_id}': {config_object.uri} is {config_object.size} bytes; "
                                      f"at most {_MAX_CONFIG_BYTES} are read")
@@ -234,7 +234,7 @@ class AdapterRegistry:
             config_file = Path(scratch) / CONFIG_NAME
             config_file.write_bytes(config_bytes)
             config = read_config(adapter_id, config_file)
-        reader = _RangedReader(self.store, weights_object.uri, head.result())
+        reader = _RangedReader(self.store, weights_object.uri, head.result() if weights_object.size else b"")
         header = read_header(adapter_id, reader, weights_object.size)
         return self._spec(adapter_id, uri, header, config, weights_object.size,
                           remote=RemoteFiles(config_object, weights_object))

@@ -134,7 +134,10 @@ def _unlink(name):
     (dict(r=4), _unlink(CONFIG_NAME), AdapterFormatError),
     (dict(r=4), _unlink(WEIGHTS_NAME), AdapterFormatError),
     (dict(r=4), lambda f: (f / WEIGHTS_NAME).write_bytes((f / WEIGHTS_NAME).read_bytes()[:-100]), AdapterFormatError),
-], ids=["shapes", "rank", "config-rank", "pickle-only", "no-config", "no-weights", "truncated"])
+    (dict(r=4), lambda f: (f / WEIGHTS_NAME).write_bytes(b""), AdapterFormatError),  # a store refuses its ranges
+    (dict(r=4), lambda f: (f / CONFIG_NAME).write_bytes(b""), AdapterFormatError),
+], ids=["shapes", "rank", "config-rank", "pickle-only", "no-config", "no-weights", "truncated", "empty-weights",
+        "empty-config"])
 def test_s3_bad_adapters_are_refused_as_local_ones(s3, registries, tmp_path, make, edit, error):
     folder = tmp_path / "local" / "bad"
     make_adapter(folder, **make)

@@ -300,6 +300,8 @@ class AdapterRegistry:
 
     def node_snapshot(self) -> dict:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
+        if self.fetcher is None:  # local roots only: nothing is fetched
+            return self.cache.snapshot()
         return self.fetcher.snapshot()
 
     def on_node(self, adapter_id: str) -> bool:

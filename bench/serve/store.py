@@ -3,16 +3,16 @@ adds a first-byte delay to every request and caps every connection's bandwidth, 
 
     python -m bench.serve.store --objects 8        # start it, upload 8 random 84 MB objects, print its figures
     python -m bench.serve.store register --adapters 64   # time the app registering 64 demo adapters from it
-    python -m bench.serve.store proxy --port 9100 --upstream-ports 9000 9001 --latency-ms 100 --mbps 150
 
 A real object store's throughput grows with the connections a client opens, and one moto process's does not: it
 serves from one Python process (185-200 MB/s at 1, 4 and 8 connections on 2 CPU cores; 253 MB/s over 8
 connections on the H100's host). So the store runs as `shards` moto processes (StoreConfig), like a store
 partitioned by key: an adapter's weights live in one shard, chosen by its name (`shard_of`), and every smaller
 object (configs) in all of them, so that a listing or a config read on any shard sees every adapter. `proxies`
-proxy processes share one port (SO_REUSEPORT) and send each request to the shard that holds its object. The app
-reads through the proxies (`env()`: AWS_ENDPOINT_URL and dummy keys); uploads go to the shards directly. The
-proxies run in processes of their own, so that the bytes they pace share no GIL with the benchmark's HTTP client.
+proxy processes (bench/serve/store_proxy.py) share one port and send each request to the shard that holds its
+object. The app reads through the proxies (`env()`: AWS_ENDPOINT_URL and dummy keys); uploads go to the shards
+directly. The proxies run in processes of their own, so that the bytes they pace share no GIL with the benchmark's
+HTTP client.
 moto keeps each object in memory up to MOTO_S3_DEFAULT_KEY_BUFFER_SIZE and spills larger ones to temporary
 files; the shards here raise that bound to 1 GiB, so the objects stay in memory (the device's disk holds the
 base model and the node cache).
@@ -21,7 +21,6 @@ base model and the node cache).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import json
 import os
@@ -33,24 +32,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
-from urllib.parse import unquote, urlsplit
 
 import httpx
+
+from bench.serve.store_proxy import WEIGHTS_NAME, shard_of
 
 BUCKET = "bench-adapters"
 PREFIX = "adapters"
 REGION = "us-west-2"  # not us-east-1: s3fs names the region as a location constraint, which us-east-1 refuses
 KEY = "bench-key"  # moto accepts any key pair
-CHUNK = 256 * 1024  # bytes the proxy moves at once; also the token bucket's burst
 UPLOADS_AT_ONCE = 16
 MOTO_BUFFER_BYTES = 1 << 30  # objects up to this stay in moto's memory instead of temporary files
-WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's weights file (as app/adapters/safetensors_file.py names it, without
-# importing torch into the proxies): the one object of an adapter that lives in a single shard
 
 
 @dataclass(frozen=True)
@@ -66,119 +62,6 @@ class StoreConfig:
         if self.shards < 1 or self.proxies < 1:
             raise ValueError(f"shards ({self.shards}) and proxies ({self.proxies}) must be >= 1")
 
-
-def shard_of(key: str, shards: int) -> int | None:
-    """The shard that holds the object at `key` (bucket/prefix/name/file): an adapter's weights live in the shard
-    its name hashes to; None for every other object, which every shard holds."""
-    folder, _, name = key.rstrip("/").rpartition("/")
-    if name != WEIGHTS_NAME or shards == 1:
-        return None
-    return zlib.crc32(folder.rpartition("/")[2].encode()) % shards
-
-
-def route(request_head: bytes, shards: int) -> int:
-    """The shard a request goes to, from its request line (`GET /bucket/key?query HTTP/1.1`); shard 0 for
-    requests on objects that every shard holds, and for listings."""
-    parts = request_head.split(b"\r\n", 1)[0].split(b" ")
-    if len(parts) < 2:
-        return 0
-    shard = shard_of(unquote(urlsplit(parts[1].decode("latin-1")).path), shards)
-    return 0 if shard is None else shard
-
-
-# --- the proxy -------------------------------------------------------------------------------------------
-# Written by hand: no maintained Python library emulates a slow link (toxiproxy, which does, is a Go binary that
-# the package registries do not carry).
-
-class TokenBucket:
-    """At most `rate` bytes/s on average, in bursts of at most `burst` bytes; a take beyond the tokens waits."""
-
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.stamp = float(burst), time.monotonic()
-
-    async def take(self, n: int) -> None:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - n
-        self.stamp = now
-        if self.tokens < 0:  # the debt is repaid while sleeping; the next take refills from `stamp`
-            await asyncio.sleep(-self.tokens / self.rate)
-
-
-async def _relay(client_reader, client_writer, upstreams: list[tuple[str, int]], latency_s: float,
-                 rate: float) -> None:
-    """One client connection: each request goes to the shard that holds its object (`route`), over one upstream
-    connection per shard, opened when first needed; each response's first bytes wait until `latency_s` after its
-    request's first bytes, and every response byte passes one token bucket. HTTP/1.1 sends a connection's requests
-    one after another, so 'the client wrote while no request awaited its response' marks a new request (reads
-    carry no body that could overlap their response), and at most one upstream answers at a time."""
-    loop, bucket = asyncio.get_running_loop(), TokenBucket(rate, CHUNK)
-    sent_at: list[float] = []  # the awaiting request's first-byte time, if one awaits its response
-    writers: dict[int, asyncio.StreamWriter] = {}
-    ended = asyncio.Event()
-    tasks: list[asyncio.Task] = []
-
-    def until_ended(coroutine) -> None:
-        async def run():
-            try:
-                await coroutine
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                ended.set()
-
-        tasks.append(asyncio.create_task(run()))
-
-    async def responses(up_reader):
-        while data := await up_reader.read(CHUNK):
-            if sent_at:
-                await asyncio.sleep(sent_at.pop() + latency_s - loop.time())
-            await bucket.take(len(data))
-            client_writer.write(data)
-            await client_writer.drain()
-
-    async def upstream(shard: int) -> asyncio.StreamWriter:
-        if shard not in writers:
-            up_reader, writers[shard] = await asyncio.open_connection(*upstreams[shard])
-            until_ended(responses(up_reader))
-        return writers[shard]
-
-    async def requests():
-        target = None
-        while data := await client_reader.read(CHUNK):
-            if not sent_at:
-                sent_at.append(loop.time())
-                target = await upstream(route(data, len(upstreams)))
-            target.write(data)
-            await target.drain()
-
-    until_ended(requests())
-    try:
-        await ended.wait()
-    finally:
-        for task in tasks:
-            task.cancel()
-        for writer in [*writers.values(), client_writer]:
-            writer.close()
-
-
-async def serve_proxy(port: int, upstream_ports: list[int], config: StoreConfig) -> None:
-    """Listen on localhost `port` beside the other proxies (SO_REUSEPORT), relay to the shards until killed."""
-    upstreams = [("127.0.0.1", p) for p in upstream_ports]
-    latency_s, rate = config.latency_ms / 1e3, config.mbps * 1e6
-
-    async def handle(reader, writer):
-        try:
-            await _relay(reader, writer, upstreams, latency_s, rate)
-        except (ConnectionError, OSError):
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", port, limit=CHUNK, reuse_port=True)
-    async with server:
-        await server.serve_forever()
-
-
-# --- the store: moto + the proxy + the uploads ------------------------------------------------------------
 
 def _die_with_parent() -> None:
     """In a child, before exec: get SIGTERM when the benchmark's process ends, however it ends (Linux)."""
@@ -202,7 +85,7 @@ class EmulatedStore:
         self._moto = [subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                        preexec_fn=_die_with_parent) for port in self.moto_ports]
-        proxy = [sys.executable, "-m", "bench.serve.store", "proxy", "--port", str(self.proxy_port),
+        proxy = [sys.executable, "-m", "bench.serve.store_proxy", "--port", str(self.proxy_port),
                  "--upstream-ports", *map(str, self.moto_ports), "--latency-ms", str(config.latency_ms),
                  "--mbps", str(config.mbps)]
         self._proxies = [subprocess.Popen(proxy, cwd=Path(__file__).resolve().parents[2],
@@ -439,9 +322,7 @@ def time_registrations(config: StoreConfig, count: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="demo", choices=["demo", "proxy", "register"])
-    parser.add_argument("--port", type=int, help="proxy: the port it shares with the other proxies")
-    parser.add_argument("--upstream-ports", type=int, nargs="+", help="proxy: the shards' ports, in shard order")
+    parser.add_argument("role", nargs="?", default="demo", choices=["demo", "register"])
     parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
     parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
     parser.add_argument("--shards", type=int, default=StoreConfig.shards)
@@ -450,10 +331,6 @@ def main(argv=None) -> None:
     parser.add_argument("--object-mb", type=float, default=83.9)
     parser.add_argument("--adapters", type=int, default=64, help="register: copies of the tiny demo's adapters")
     args = parser.parse_args(argv)
-    if args.role == "proxy":
-        config = StoreConfig(args.latency_ms, args.mbps, len(args.upstream_ports))
-        asyncio.run(serve_proxy(args.port, args.upstream_ports, config))
-        return
     config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
     if args.role == "register":
         print(json.dumps({"store": describe(config), **time_registrations(config, args.adapters)}, indent=1))

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from bench.adapter_pool import CONFIG_NAME, WEIGHTS_NAME
 from bench.serve.arms import NODE_CACHE_COUNTERS, hinted_hit_rate, remote_delta, remote_summary
-from bench.serve.store import EmulatedStore, RemoteAdapters, StoreConfig, route, shard_of
+from bench.serve.store import EmulatedStore, RemoteAdapters, StoreConfig
+from bench.serve.store_proxy import route, shard_of
 
 pytest.importorskip("moto.server")
 

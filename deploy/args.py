@@ -96,6 +96,10 @@ class AppArgs(BaseModel):
         "(about 6-8 ms more per request on TTFT).")
     hints: bool = Field(default=True, description="The adapter_affinity router sends adapter hints to replicas; "
                         "False keeps its placement but sends none (the benchmark's A0 arm).")
+    hint_depth: int = Field(default=48, ge=0, le=1000, description="With hints, how many pending requests behind "
+                            "those Serve routes at a time (two per replica) the router places and hints too, so that "
+                            "a remote adapter's fetch starts while its request still waits; they never take a replica "
+                            "ahead of an older request.")
     spread_after_s: float = Field(default=0.2, ge=0, description="A request waiting this long for a saturated replica "
                                                                  "that holds its adapter may go to a free one instead.")
     api_key: str | None = Field(default=None, description="Bearer key required on every route but /health. "

@@ -1,7 +1,13 @@
 """Adapter-affinity request router with hints, running inside each caller (the ingress) of the
-LoRA replicas. Serve calls `choose_replicas` for every pending request, again after each backoff
-while the chosen replica is full: that is when the request is waiting in front of the replica,
-and when the router sends the adapter hint so the load overlaps the wait.
+LoRA replicas. Serve calls `choose_replicas` for pending requests, again after each backoff while
+the chosen replica is full: that is when the request is waiting in front of the replica, and when
+the router sends the adapter hint so the load overlaps the wait.
+
+Serve routes only the oldest pending requests at a time (two per replica), and calls
+`choose_replicas` for those alone. A hint sent then leads its request by about one request's
+service time, shorter than a remote fetch. So with hints on, the router asks Serve for routing
+tasks for `hint_depth` more requests: those behind the front are placed and hinted, and never
+take a replica ahead of an older request (they wait, hinted, until they reach the front).
 
 The view of the cluster comes from the RouterState actor (refreshed in the background) and from
 this router's own recent placements. If the actor is unavailable, requests take the default
@@ -14,6 +20,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import replace
 
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -24,14 +31,18 @@ from prefetch.placement import ReplicaLoad, can_hint, place
 log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
 RECENT_S = 2.0  # a replica we just sent an adapter to counts as holding it for this long
+BEHIND_RECHECK_S = 0.1  # a request behind the front is placed again this often (the front: Serve's backoff)
 
 
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, spread_after_s: float = 0.2, view_refresh_s: float = 0.05, hints: bool = True,
-                         **kwargs):
-        """hints=False places requests exactly as with hints, but sends none (the benchmark's A0 arm)."""
+                         hint_depth: int = 48, **kwargs):
+        """hints=False places requests exactly as with hints, but sends none (the benchmark's A0 arm), and routes
+        as many requests at a time as Serve does. hint_depth: pending requests behind those that are hinted too."""
         self.spread_after_s = spread_after_s
         self.hints = hints
+        self.hint_depth = hint_depth if hints else 0
+        self._pending: dict[str, PendingRequest] = {}  # internal request id -> request waiting here, to order them
         self.view_refresh_s = view_refresh_s
         self._view: dict[str, dict] = {}
         self._view_at = 0.0
@@ -49,6 +60,26 @@ class AdapterAffinityRouter(RequestRouter):
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
         self._rng = random.Random()
+
+    @property
+    def max_num_routing_tasks(self) -> int:
+        """Serve's own number of requests routed at a time (the front), plus hint_depth behind them."""
+        return super().max_num_routing_tasks + self.hint_depth
+
+    def _front(self, replicas: int) -> int:
+        return min(self.max_num_routing_tasks_cap, 2 * replicas)  # RequestRouter.max_num_routing_tasks's own
+
+    def _behind_front(self, request: PendingRequest, replicas: int) -> bool:
+        """Whether `front` older requests wait in this router: this one may then only be hinted. Those behind
+        take a replica in the order they came, as with Serve's own routing, and hints stay in queue order."""
+        self._pending = {rid: r for rid, r in self._pending.items() if not r.future.done()}
+        self._pending[request.metadata.internal_request_id] = request
+        front = self._front(replicas)
+        if len(self._pending) <= front:
+            return False
+        key = (request.created_at, request.metadata.internal_request_id)
+        older = sum((r.created_at, rid) < key for rid, r in self._pending.items())
+        return older >= front
 
     # --- view -----------------------------------------------------------------------------------
 
@@ -109,7 +140,11 @@ class AdapterAffinityRouter(RequestRouter):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
         self._ensure_refresh()
+        behind = self.hint_depth > 0 and self._behind_front(pending_request, len(candidate_replicas))
         if not self._has_view():
+            if behind:
+                await asyncio.sleep(BEHIND_RECHECK_S)
+                return []
             self._count("fallback")
             return self._power_of_two(candidate_replicas)
         adapter_id = pending_request.metadata.multiplexed_model_id or None
@@ -121,6 +156,8 @@ class AdapterAffinityRouter(RequestRouter):
         decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
                          recent=recent, rng=self._rng, waiting_for=self._waits_at.get(rid, ("",))[0] or None)
+        if behind:  # it waits whatever the replica's load: older requests go first
+            decision = replace(decision, must_wait=True)
         hinted_at = self._hinted.get(rid, ("",))[0]
         if hinted_at and hinted_at != decision.uid and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
@@ -146,6 +183,9 @@ class AdapterAffinityRouter(RequestRouter):
             self._count(decision.outcome)
             if adapter_id is not None:
                 self._recent.setdefault(adapter_id, {})[decision.uid] = now
+        if behind:
+            await asyncio.sleep(BEHIND_RECHECK_S)
+            return []  # Serve backs off and asks again
         return [[by_uid[decision.uid]]]
 
     def _hint_waiting(self, uid: str, adapter_id: str, rid: str, room: int | None, now: float) -> None:
@@ -177,6 +217,7 @@ class AdapterAffinityRouter(RequestRouter):
         super().on_request_routed(pending_request, replica_id, result)
         rid = pending_request.metadata.internal_request_id
         self._forget_hint(rid)
+        self._pending.pop(rid, None)
         self._waits_at.pop(rid, None)
         self._announced.pop(rid, None)
         self._deferred.pop(rid, None)

@@ -34,6 +34,7 @@ def replica(uid: str, capacity: int = 2):
 
 def pending(adapter_id: str, rid: str, waited_s: float = 0.0):
     return SimpleNamespace(routing_context=SimpleNamespace(should_backoff=False), created_at=time.time() - waited_s,
+                           future=SimpleNamespace(done=lambda: False),
                            metadata=SimpleNamespace(multiplexed_model_id=adapter_id, internal_request_id=rid))
 
 
@@ -72,7 +73,7 @@ def test_placement_is_the_same_and_only_hints_on_sends_hints(hints):
 def test_app_passes_hints_to_the_router():
     for hints in (True, False):
         config = replica_options(AppArgs(build_demo=False, hints=hints))["request_router_config"]
-        assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints}
+        assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints, "hint_depth": 48}
 
 
 def test_a_request_routed_again_is_hinted_once_per_replica_until_it_is_accepted():
@@ -152,3 +153,36 @@ def test_a_replica_that_reports_no_hint_room_gets_every_hint():
     for i, adapter_id in enumerate(["pirate", "chef", "poet"]):
         choose(r, pending(adapter_id, f"r{i}"))
     assert len(waiting_hints(actor)) == 3
+
+
+def test_requests_behind_the_front_are_hinted_in_order_and_never_overtake_an_older_one():
+    """Serve routes two pending requests per replica at a time; the router routes hint_depth more, which it only
+    places and hints: a replica that frees a place takes the oldest request, never one from behind the front."""
+    view = {"a": {"ongoing": 2, "hint_room": 16}, "b": {"ongoing": 2, "hint_room": 16}}  # both full: all wait
+    r, actor = router(True, view)
+    requests = [pending(f"adapter{i}", f"r{i}", waited_s=10 - i) for i in range(7)]  # r0 oldest
+    chosen = [asyncio.run(r.choose_replicas([replica("a"), replica("b")], request)) for request in requests]
+    assert all(len(c) == 1 for c in chosen[:4]) and chosen[4:] == [[], [], []]  # front: 2 x 2 replicas
+    assert [h[2] for h in waiting_hints(actor)] == [f"r{i}" for i in range(7)]  # every one hinted, in order
+    view["b"]["ongoing"] = 0  # "b" frees: requests behind the front still wait
+    assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[6])) == []
+    for request in requests[:3]:  # the three oldest are accepted: r6 reaches the front and may go
+        r.on_request_routed(request, ReplicaId("b"), None)
+    assert choose(r, requests[6]) == "b"
+
+
+def test_a_cancelled_request_in_front_moves_those_behind_up():
+    r, actor = router(True, FULL)
+    requests = [pending("pirate", f"r{i}", waited_s=10 - i) for i in range(5)]
+    for request in requests[:4]:
+        choose(r, request)
+    assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4])) == []
+    requests[0].future = SimpleNamespace(done=lambda: True)  # cancelled by its client
+    assert choose(r, requests[4]) == "a"
+
+
+def test_without_hints_the_router_routes_as_many_requests_as_serve_does():
+    r, _ = router(False, FULL)
+    assert r.hint_depth == 0
+    for i in range(8):  # no request is held behind the front: each is placed as Serve's routing tasks ask
+        assert choose(r, pending("pirate", f"r{i}", waited_s=10 - i)) == "a"

@@ -12,6 +12,7 @@
 # at RATE (6 req/s), S-LoRA lengths x LENGTH_SCALE (0.25); per replica CAPACITY (16) max-rank adapters of device
 # memory, HOST_CACHE (48) of host cache, MAX_ONGOING (8) requests (the rest wait in the router, where hints are
 # sent), KV_GIB (12) GiB of KV cache, compile_decode off, the engine loop on a thread unless ENGINE_PROCESS=true.
+# HINT_DEPTH (48): how many waiting requests behind those Serve routes at a time A's router hints (0: only those).
 #
 #   bash bench/device/serve_remote.sh                              # uniform: A, A0, then serve_default if time is left
 #   WORKLOAD=zipf ARMS="A A0" bash bench/device/serve_remote.sh
@@ -21,12 +22,13 @@
 # Wheels: WHEELS (.whl-serve) must hold moto's S3 server and s3fs besides Ray, or STORE_WHEELS names a second
 # wheelhouse that does (both in the call's carry; `bash bench/device/store_wheels.sh demo/whl-store` builds one);
 # the call stops at once where a 1 MB round trip through the emulated store fails.
-# Phases on the H100's host, measured with one moto process: wheels and the store check ~40 s; the 16 GB base ~20 s
-# to write; the upload 43 s for 257 adapters (13 s for the 32 distinct ones, the rest copies inside the store); then
-# per arm 100 s or more to deploy (the base, CUDA graphs, and each replica registering the N remote adapters, a few
-# ranged reads each) and ~45 s to play 192 requests at 6 req/s. The bench checks before its first run that both
-# arms of the pair fit BUDGET_S (520, from the call's start), and starts no run that would end past it; at
-# BUDGET_S=385 it ran none. The call ends by 560 s.
+# Phases on the H100's host: wheels and the store check ~40 s; the 16 GB base ~20 s to write; the upload 38-51 s
+# for 257 adapters (the 32 distinct ones, the rest copies inside the store); then 112-125 s to deploy the first arm
+# (the base read from a cold page cache, CUDA graphs, each replica registering the N remote adapters) and 65-72 s
+# each later one, and 35-70 s to play the trace. One call fits A and A0 at 1 replica and 192 requests
+# (BUDGET_S=548: 494 s), or all three arms at 2 replicas and 160 requests (478 s). The bench checks before its first
+# run that both arms of the pair fit BUDGET_S (520, from the call's start), and starts no run that would end past
+# it. The call ends by 560 s.
 # Results: bench/results/<slug>-serve-remote-<workload><TAG>.json, with the store's measured floor, copied to $OUT
 # beside the call's log.
 call_start=$(date +%s)
@@ -42,7 +44,8 @@ if ! timeout 60 python3 -m bench.serve.store --objects 1 --object-mb 1 > "$OUT/s
 fi
 BUDGET_S=${BUDGET_S:-520}  # from the call's start, as the 560 s limit
 N=${N:-256}
-APP="{\"kv_cache_bytes\": $(( ${KV_GIB:-12} << 30 )), \"compile_decode\": false, \"engine_process\": ${ENGINE_PROCESS:-false}}"
+APP="{\"kv_cache_bytes\": $(( ${KV_GIB:-12} << 30 )), \"compile_decode\": false, \"engine_process\": ${ENGINE_PROCESS:-false},
+     \"hint_depth\": ${HINT_DEPTH:-48}}"
 ARGS=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas "${REPLICAS:-1}"
       --workload "${WORKLOAD:-uniform}@$N" --adapter-store s3 --store-latency-ms "${LATENCY_MS:-100}"
       --store-mbps "${MBPS:-150}" --store-shards "${SHARDS:-4}" --store-proxies "${PROXIES:-2}"

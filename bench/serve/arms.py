@@ -88,7 +88,10 @@ REMOTE_NOTES = [
     "(fetched again after an eviction, or never requested). fetched_ahead: fetches started by hints or "
     "queued requests before any read needed them; wasted_fetches: those that no read of the same replica used "
     "during the run (fetched_ahead - fetched_ahead_used, and the bytes); with several replicas, an adapter "
-    "fetched ahead by one and read by another counts as wasted for the first.",
+    "fetched ahead by one and read by another from the cache they share counts here for the first. "
+    "wasted_remote_bytes: what the node downloaded beyond the adapters the trace requested (extra_downloads "
+    "at the mean download's size; the bench's adapters are all one size), the bytes no request on the node "
+    "needed; wasted_remote_share: their share of fetched_bytes.",
     "hinted_on_node_share: of the arrivals that waited in the router and were hinted to their replica, the share "
     "whose adapter was on the node or closer when they arrived (device, host or node disk) rather than still in "
     "the store; hint_hit_rate_when_queued counts the store tier in its denominator.",
@@ -183,9 +186,13 @@ def remote_summary(delta: dict) -> dict | None:
     on_node = delta["hinted_on_device"] + delta["hinted_in_host"] + delta["hinted_from_disk"]
     hinted = on_node + remote["hinted_from_store"]
     requested = remote.get("adapters_requested")
+    extra = None if requested is None else remote["downloads"] - requested
+    wasted = None if extra is None else max(extra, 0) * remote["downloaded_bytes"] // max(remote["downloads"], 1)
     return {"fetched_bytes": remote["downloaded_bytes"], "downloads": remote["downloads"],
             "adapters_requested": requested,
-            "extra_downloads": None if requested is None else remote["downloads"] - requested,
+            "extra_downloads": extra, "wasted_remote_bytes": wasted,
+            "wasted_remote_share": wasted / remote["downloaded_bytes"] if wasted and remote["downloaded_bytes"] else
+            (None if wasted is None else 0.0),
             "download_s_mean": remote["download_seconds"] / remote["downloads"] if remote["downloads"] else None,
             "cache_hits": remote["hits"], "waited_for_other": remote["waited_for_other"],
             "evictions": remote["evictions"], "fetched_ahead": remote["fetched_ahead"],
@@ -203,8 +210,9 @@ def remote_line(s: dict) -> str:
         return ""
     share = "n/a" if r["hinted_on_node_share"] is None else f"{r['hinted_on_node_share']:.2f}"
     return (f"; remote: {r['fetched_bytes'] / 1e9:.2f} GB in {r['downloads']} downloads for "
-            f"{r['adapters_requested']} adapters requested, {r['wasted_fetches']} fetched ahead unused "
-            f"({r['wasted_fetch_bytes'] / 1e9:.2f} GB), hinted on node {share}")
+            f"{r['adapters_requested']} adapters requested, {r['wasted_fetches']} fetched ahead and not read "
+            f"by the replica that fetched them ({r['wasted_fetch_bytes'] / 1e9:.2f} GB), wasted "
+            f"{(r['wasted_remote_bytes'] or 0) / 1e9:.2f} GB, hinted on node {share}")
 
 
 def summarize(results: list[RequestResult], delta: dict, per_replica: dict[str, dict], hints_pushed: int,

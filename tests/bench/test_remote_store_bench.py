@@ -141,6 +141,9 @@ def test_remote_counters_are_the_node_caches_summed_over_replicas():
     summary = remote_summary(delta)
     assert summary["downloads"] == 6 and summary["fetched_bytes"] == 600 and summary["extra_downloads"] == 1
     assert summary["wasted_fetches"] == 1 and summary["wasted_fetch_bytes"] == 100  # 5 ahead, 4 used
+    assert summary["wasted_remote_bytes"] == 100 and summary["wasted_remote_share"] == 100 / 600  # 1 extra
+    delta["remote"]["adapters_requested"] = 7  # a request may fail before its fetch: no negative waste
+    assert remote_summary(delta)["wasted_remote_bytes"] == 0 == remote_summary(delta)["wasted_remote_share"]
     assert summary["hinted_from_store"] == 2 and summary["hinted_on_node_share"] == 6 / 8
     assert hinted_hit_rate(delta) == 3 / 8  # the store tier counts among the hinted arrivals
     assert remote_summary({"hinted_on_device": 0}) is None

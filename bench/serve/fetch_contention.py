@@ -1,0 +1,145 @@
+"""What downloads from a remote store cost a replica's engine loop when they run in its process.
+
+A replica's engine steps on a thread: some Python to schedule and launch the step, then a wait on the GPU
+(which frees the GIL). Fetches of remote adapters run on worker threads of the same process, and their HTTP
+reads are Python too (s3fs, aiohttp). This times a stand-in for the engine loop (`--step-python-ms` of Python,
+then `--step-wait-ms` asleep) while `--downloads` adapters download at once from the emulated store
+(bench/serve/store.py) through the app's own RemoteStore.download, first in the loop's process, then in a child
+process, alternately `--repeats` times, with an idle phase first:
+
+    python -m bench.serve.fetch_contention                    # 8 downloads of 84 MB at once, 4 shards, 2 proxies
+    bash bench/device/fetch_contention.sh                     # the same on the GPU machine's host
+
+Each phase reports the loop's step time (p50 / p90 / p99, ms) and the downloads' MB/s. A child process shares
+no GIL with the loop: where the two phases differ beyond noise, the difference is the GIL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+from bench.common import write_result
+from bench.serve.store import EmulatedStore, StoreConfig, describe
+from bench.serve.store_proxy import WEIGHTS_NAME
+
+
+def stand_in_step(python_ms: float, wait_ms: float, loops_per_ms: int) -> None:
+    x = 0
+    for i in range(int(python_ms * loops_per_ms)):
+        x += i * i
+    time.sleep(wait_ms / 1e3)
+
+
+def loops_per_ms() -> int:
+    """How many iterations of the stand-in's Python loop take a millisecond here, alone."""
+    n, x, start = 500_000, 0, time.perf_counter()
+    for i in range(n):
+        x += i * i
+    return max(1, int(n / (1e3 * (time.perf_counter() - start))))
+
+
+def download(env: dict, uris: list[str], rounds: int) -> tuple[float, int]:
+    """Each of `uris` `rounds` times, all at once on len(uris) threads: (seconds, bytes)."""
+    with mock.patch.dict(os.environ, env):
+        import s3fs
+
+        from app.adapters.remote import RemoteStore
+
+        s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
+        store = RemoteStore([uris[0].rsplit("/", 2)[0]])
+        scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
+        try:
+            objects = [store.stat(uri) for uri in uris] * rounds
+            start = time.perf_counter()
+            with ThreadPoolExecutor(len(uris)) as pool:
+                list(pool.map(lambda i: store.download(objects[i], scratch / f"object-{i}"), range(len(objects))))
+            return time.perf_counter() - start, sum(obj.size for obj in objects)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+            store.shutdown()
+
+
+def timed_phase(run, args, per_ms: int) -> dict:
+    """The stand-in loop's step times while `run()` (which returns (seconds, bytes) or None) runs."""
+    stop, steps = threading.Event(), []
+
+    def loop() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            stand_in_step(args.step_python_ms, args.step_wait_ms, per_ms)
+            steps.append(1e3 * (time.perf_counter() - t))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        moved = run()
+    finally:
+        stop.set()
+        thread.join()
+    ordered = sorted(steps[1:])
+    q = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
+    out = {"steps": len(ordered), "step_ms_p50": statistics.median(ordered), "step_ms_p90": q(0.9),
+           "step_ms_p99": q(0.99)}
+    if moved is not None:
+        out.update(download_s=moved[0], download_mb_per_s=moved[1] / moved[0] / 1e6)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--downloads", type=int, default=8, help="adapters downloading at once (fetch workers)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each phase downloads every adapter")
+    parser.add_argument("--object-mb", type=float, default=83.9)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--step-python-ms", type=float, default=2.0)
+    parser.add_argument("--step-wait-ms", type=float, default=7.0, help="the GPU's share of a decode step")
+    parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
+    parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
+    parser.add_argument("--shards", type=int, default=StoreConfig.shards)
+    parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    args = parser.parse_args(argv)
+    config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+    scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
+    phases = []
+    try:
+        folders = []
+        for i in range(args.downloads):
+            (folder := scratch / f"adapter-{i}").mkdir()
+            (folder / WEIGHTS_NAME).write_bytes(os.urandom(int(args.object_mb * 1e6)))
+            folders.append(folder)
+        per_ms = loops_per_ms()
+        with EmulatedStore(config) as store, \
+                multiprocessing.get_context("spawn").Pool(1) as child:
+            store.upload(folders, [f.name for f in folders])
+            uris, env = [f"{store.root}/{f.name}/{WEIGHTS_NAME}" for f in folders], store.env()
+            child.apply(download, (env, uris[:1], 1))  # the child's imports and connections, before timing
+            download(env, uris[:1], 1)
+            phases.append({"phase": "idle", **timed_phase(lambda: time.sleep(5.0), args, per_ms)})
+            for _ in range(args.repeats):
+                for where, run in (("in the loop's process", lambda: download(env, uris, args.rounds)),
+                                   ("in a child process", lambda: child.apply(download, (env, uris, args.rounds)))):
+                    phases.append({"phase": f"{args.downloads} downloads {where}", **timed_phase(run, args, per_ms)})
+                    p = phases[-1]
+                    print(f"{p['phase']:36s} step p50/p90/p99 {p['step_ms_p50']:.2f} / {p['step_ms_p90']:.2f} / "
+                          f"{p['step_ms_p99']:.2f} ms, {p['download_mb_per_s']:.0f} MB/s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"idle: step p50/p90/p99 {phases[0]['step_ms_p50']:.2f} / {phases[0]['step_ms_p90']:.2f} / "
+          f"{phases[0]['step_ms_p99']:.2f} ms")
+    path = write_result("fetch-contention", {"benchmark": "fetch-contention", "store": describe(config),
+                                             "cpus": os.cpu_count(), "args": vars(args), "phases": phases})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,7 @@ from app.errors import AdapterInUse, AdapterNotFound, EngineUnavailable, Interna
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.state import find_router_state
+from prefetch.hints import in_order_batches
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
@@ -201,13 +202,13 @@ class LoRAReplica:
                 actor = await self._state()
                 stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
                 reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
-                if reply["hints"]:
-                    by_kind = {kind: [h for h in reply["hints"] if h.get("kind", "waiting") == kind]
-                               for kind in ("waiting", "incoming", "withdrawn")}
+                for batch in in_order_batches(reply["hints"]):
+                    by_kind = {kind: [h for h in batch if h.get("kind", "waiting") == kind]
+                               for kind in ("waiting", "incoming", "withdrawn", "ahead")}
                     ids = {kind: [h.get("request_id") or None for h in hints] for kind, hints in by_kind.items()}
                     adapters = {kind: [h["adapter_id"] for h in hints] for kind, hints in by_kind.items()}
                     self.engine.hint(adapters["waiting"], adapters["incoming"], adapters["withdrawn"],
-                                     ids["waiting"], ids["withdrawn"])
+                                     ids["waiting"], ids["withdrawn"], adapters["ahead"], ids["ahead"])
                 if "adapters" in reply:
                     if self._known is not None and reply["epoch"] != self._known[0]:
                         await actor.restore.remote(self._wanted)  # a recreated actor lost registrations

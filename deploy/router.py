@@ -6,8 +6,10 @@ the router sends the adapter hint so the load overlaps the wait.
 Serve routes only the oldest pending requests at a time (two per replica), and calls
 `choose_replicas` for those alone. A hint sent then leads its request by about one request's
 service time, shorter than a remote fetch. So with hints on, the router asks Serve for routing
-tasks for `hint_depth` more requests: those behind the front are placed and hinted, and never
-take a replica ahead of an older request (they wait, hinted, until they reach the front).
+tasks for `hint_depth` more requests: those behind the front are placed and hinted `ahead` (the
+replica fetches a remote adapter to its node, and no further), and never take a replica ahead of
+an older request. Near the front, each is hinted `waiting`, as before: the replica then brings the
+adapter to its host cache and a device slot.
 
 The view of the cluster comes from the RouterState actor (refreshed in the background) and from
 this router's own recent placements. If the actor is unavailable, requests take the default
@@ -43,6 +45,7 @@ class AdapterAffinityRouter(RequestRouter):
         self.hints = hints
         self.hint_depth = hint_depth if hints else 0
         self._pending: dict[str, PendingRequest] = {}  # internal request id -> request waiting here, to order them
+        self._ahead: set[str] = set()  # internal request ids hinted far back ("ahead"), not yet near the front
         self.view_refresh_s = view_refresh_s
         self._view: dict[str, dict] = {}
         self._view_at = 0.0
@@ -103,6 +106,7 @@ class AdapterAffinityRouter(RequestRouter):
     def _prune(self, now: float) -> None:
         # Pending requests that were cancelled never complete: forget their hints eventually.
         self._hinted = {rid: told for rid, told in self._hinted.items() if now - told[1] < 60.0}
+        self._ahead &= self._hinted.keys()
         self._waiting_hints = {uid: live for uid, hints in self._waiting_hints.items()
                                if (live := {rid: a for rid, a in hints.items() if rid in self._hinted})}
         self._deferred = {rid: at for rid, at in self._deferred.items() if now - at < 60.0}
@@ -153,11 +157,17 @@ class AdapterAffinityRouter(RequestRouter):
         recent = frozenset(uid for uid, at in self._recent.get(adapter_id, {}).items() if now - at < RECENT_S)
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
+        waiting_for = self._waits_at.get(rid, ("",))[0] or None
         decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
-                         recent=recent, rng=self._rng, waiting_for=self._waits_at.get(rid, ("",))[0] or None)
-        if behind:  # it waits whatever the replica's load: older requests go first
-            decision = replace(decision, must_wait=True)
+                         recent=recent, rng=self._rng, waiting_for=waiting_for)
+        if behind:  # it waits whatever the replicas' load: older requests go first
+            # and keeps the replica it was hinted to, unless another now holds its adapter: a target that
+            # followed the replicas' loads moved on every attempt, each move a withdrawal and a new hint
+            keep = waiting_for in by_uid and decision.outcome != "affinity"
+            uid = waiting_for if keep else decision.uid
+            decision = replace(decision, uid=uid, must_wait=True,
+                               spread_to=None if decision.spread_to == uid else decision.spread_to)
         hinted_at = self._hinted.get(rid, ("",))[0]
         if hinted_at and hinted_at != decision.uid and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
@@ -168,9 +178,13 @@ class AdapterAffinityRouter(RequestRouter):
         elif self._waits_at.get(rid, ("",))[0] != decision.uid:
             self._waits_at[rid] = (decision.uid, now)
         if self.hints and decision.must_wait and adapter_id is not None:
-            if rid in self._hinted:  # hinted there already, then turned away by the full replica: waits again
+            if behind:
+                if rid not in self._hinted:
+                    self._hint_ahead(decision.uid, adapter_id, rid, now)
+            elif rid in self._hinted and rid not in self._ahead:
+                # hinted there already, then turned away by the full replica: waits again
                 self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
-            else:
+            else:  # new, or hinted far back and now near the front
                 self._hint_waiting(decision.uid, adapter_id, rid, loads[decision.uid].hint_room, now)
         if self.hints and decision.spread_to and adapter_id is not None and \
                 self._announced.get(rid, ("",))[0] != decision.spread_to:
@@ -199,12 +213,22 @@ class AdapterAffinityRouter(RequestRouter):
             return
         hints[rid] = adapter_id
         self._hinted[rid] = (uid, now)
+        self._ahead.discard(rid)
         self._deferred.pop(rid, None)
         self._actor.push_hint.remote(uid, adapter_id, rid)  # fire and forget
         self._count("hint")
 
+    def _hint_ahead(self, uid: str, adapter_id: str, rid: str, now: float) -> None:
+        """Hint a request far back in the queue: the replica fetches its adapter to the node and no further, so
+        this costs no hint room (the host cache's); the replica's node cache bounds what it fetches ahead."""
+        self._hinted[rid] = (uid, now)
+        self._ahead.add(rid)
+        self._actor.push_hint.remote(uid, adapter_id, rid, "ahead")
+        self._count("hint_ahead")
+
     def _forget_hint(self, rid: str) -> None:
         uid, _ = self._hinted.pop(rid, ("", 0.0))
+        self._ahead.discard(rid)
         self._waiting_hints.get(uid, {}).pop(rid, None)
 
     def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:

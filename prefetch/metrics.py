@@ -62,6 +62,8 @@ class PrefetchMetrics:
         if outcome == "duplicate":
             self.hints_duplicate += 1
             return
+        if outcome == "upgraded":  # the same request, hinted far back before: counted then
+            return
         self.hints_received += 1
         if outcome == "late":
             self.hints_late += 1

@@ -94,14 +94,18 @@ class Residency:
         if self.draining is not None and self.pool.slots[self.draining].pins == 0:
             self.draining = None
 
-    def prefetch(self, queued: list[str], hinted: list[str] = (), incoming: frozenset = frozenset()) -> None:
-        """queued: one adapter per request queued here; hinted: per request waiting in the router for here.
+    def prefetch(self, queued: list[str], hinted: list[str] = (), incoming: frozenset = frozenset(),
+                 ahead: list[str] = ()) -> None:
+        """queued: one adapter per request queued here; hinted: per request waiting near the router's front for
+        here; ahead: per request hinted far back in the router's queue.
 
         Remote adapters not yet on this node are fetched to its disk cache first, for hints as for queued
-        requests; a hinted one enters the host and device tiers only once its files are on the node, so that a
-        host read worker and arena pages never wait on the network for a request that has not arrived."""
+        requests, nearest first; a hinted one enters the host and device tiers only once its files are on the
+        node, so that a host read worker and arena pages never wait on the network for a request that has not
+        arrived, and an `ahead` one not before its request nears the front (H100, remote store, 48 requests
+        hinted into every tier: 38 of 209 device loads evicted unused as downloads finished out of order)."""
         if self._fetch_ahead is not None:
-            self._fetch_ahead([*queued, *hinted])
+            self._fetch_ahead([*queued, *hinted, *ahead])
             hinted = [adapter_id for adapter_id in hinted if self._on_node(adapter_id)]
         self.pipeline.prefetch([*queued, *hinted], incoming, hinted_from=len(queued))
 

@@ -120,8 +120,9 @@ class AsyncEngine(EngineStreams):
         return await asyncio.to_thread(fn, self.engine)
 
     def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
-             withdrawn_ids=None) -> None:
-        self._commands.put(lambda e: e.hint(adapter_ids, incoming, withdrawn, hint_ids, withdrawn_ids))
+             withdrawn_ids=None, ahead: list[str] = (), ahead_ids=None) -> None:
+        self._commands.put(lambda e: e.hint(adapter_ids, incoming, withdrawn, hint_ids, withdrawn_ids, ahead,
+                                            ahead_ids))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

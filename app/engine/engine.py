@@ -109,13 +109,19 @@ class LLMEngine:
         self._finish(request)
         return make_output(request, "", (), error=None)
 
-    def hint(self, adapter_ids, incoming=(), withdrawn=(), hint_ids=None, withdrawn_ids=None) -> None:
+    def hint(self, adapter_ids, incoming=(), withdrawn=(), hint_ids=None, withdrawn_ids=None, ahead=(),
+             ahead_ids=None) -> None:
         """Ask for adapters to be made resident ahead of need (the router's hint): one entry per request
-        waiting in the router for this replica. incoming: adapters of requests waiting at another replica
-        that may be sent here; they are protected from eviction for a one-off. withdrawn: one entry per
-        hinted request that went to another replica after all. hint_ids, withdrawn_ids: the request id of each
-        entry of adapter_ids and withdrawn (None: no ids); a request that brings the same id consumes its hint."""
+        waiting near the router's front for this replica. incoming: adapters of requests waiting at another
+        replica that may be sent here; they are protected from eviction for a one-off. withdrawn: one entry per
+        hinted request that went to another replica after all. ahead: one entry per request far back in the
+        router's queue, whose remote adapter is fetched to the node and no further. hint_ids, withdrawn_ids,
+        ahead_ids: the request id of each entry (None: no ids); a request that brings the same id consumes its
+        hint."""
         now = time.monotonic()
+        for adapter_id, hint_id in zip(ahead, ahead_ids or [None] * len(ahead)):
+            if adapter_id in self.registry:
+                self.residency.metrics.count_hint(self.hints.add(adapter_id, now, hint_id, near=False))
         for adapter_id, hint_id in zip(adapter_ids, hint_ids or [None] * len(adapter_ids)):
             if adapter_id in self.registry:
                 self.residency.metrics.count_hint(self.hints.add(adapter_id, now, hint_id))
@@ -211,7 +217,7 @@ class LLMEngine:
         """Prefetch for every request that wants an adapter: queued here first, then waiting in the router."""
         self.hints.expire(time.monotonic())
         queued = [r.adapter_id for r in self.waiting if r.adapter_id is not None]
-        self.residency.prefetch(queued, self.hints.demand(), self.hints.incoming())
+        self.residency.prefetch(queued, self.hints.demand(), self.hints.incoming(), self.hints.ahead())
 
     def _acquire(self, request: Request) -> bool:
         """Scheduler callback: may `request` start running now? Pins its adapter's slot if so."""

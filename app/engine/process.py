@@ -71,9 +71,10 @@ class EngineProcess(EngineStreams):
         return await self._request("aside", fn)
 
     def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
-             withdrawn_ids=None) -> None:
+             withdrawn_ids=None, ahead: list[str] = (), ahead_ids=None) -> None:
         try:
-            self._send(("hint", list(adapter_ids), list(incoming), list(withdrawn), hint_ids, withdrawn_ids))
+            self._send(("hint", list(adapter_ids), list(incoming), list(withdrawn), hint_ids, withdrawn_ids,
+                        list(ahead), ahead_ids))
         except EngineUnavailable:
             pass  # a hint is advice: a dead engine fails its requests, not the caller of hint
 

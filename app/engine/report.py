@@ -85,7 +85,8 @@ def routing_stats(engine: EngineState) -> dict:
         "hint_room": hint_room(host_adapters, len(busy)),  # the router's budget of hinted adapters here
         "device": str(engine.device),
         "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_late",
-                                                 "hints_duplicate")},
+                                                 "hints_duplicate", "hinted_on_device", "hinted_in_host",
+                                                 "hinted_from_disk")},
         "hint_lead_seconds": engine.hint_lead.as_dict(),
         "step_timing": engine.timing.summary(),
         **node_cache(engine),

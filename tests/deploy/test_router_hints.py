@@ -163,12 +163,27 @@ def test_requests_behind_the_front_are_hinted_in_order_and_never_overtake_an_old
     requests = [pending(f"adapter{i}", f"r{i}", waited_s=10 - i) for i in range(7)]  # r0 oldest
     chosen = [asyncio.run(r.choose_replicas([replica("a"), replica("b")], request)) for request in requests]
     assert all(len(c) == 1 for c in chosen[:4]) and chosen[4:] == [[], [], []]  # front: 2 x 2 replicas
-    assert [h[2] for h in waiting_hints(actor)] == [f"r{i}" for i in range(7)]  # every one hinted, in order
+    # every one hinted, in order: the front "waiting", those behind "ahead" (fetched to the node only)
+    assert [h[2] for h in waiting_hints(actor)] == [f"r{i}" for i in range(4)]
+    assert [h[2] for h in actor.hints if h[3:] == ("ahead",)] == ["r4", "r5", "r6"]
     view["b"]["ongoing"] = 0  # "b" frees: requests behind the front still wait
     assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[6])) == []
     for request in requests[:3]:  # the three oldest are accepted: r6 reaches the front and may go
         r.on_request_routed(request, ReplicaId("b"), None)
     assert choose(r, requests[6]) == "b"
+
+
+def test_a_request_hinted_ahead_is_hinted_waiting_once_near_the_front():
+    r, actor = router(True, FULL)
+    requests = [pending("pirate", f"r{i}", waited_s=10 - i) for i in range(5)]
+    for request in requests[:4]:
+        choose(r, request)
+    assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4])) == []
+    assert actor.hints[-1] == ("a", "pirate", "r4", "ahead")
+    r.on_request_routed(requests[0], ReplicaId("a"), None)  # r4 nears the front, still waiting at "a"
+    assert choose(r, requests[4]) == "a" and actor.hints[-1] == ("a", "pirate", "r4")
+    choose(r, requests[4])  # turned away and routed again: no third hint
+    assert [h for h in actor.hints if h[2] == "r4"] == [("a", "pirate", "r4", "ahead"), ("a", "pirate", "r4")]
 
 
 def test_a_cancelled_request_in_front_moves_those_behind_up():
@@ -186,3 +201,20 @@ def test_without_hints_the_router_routes_as_many_requests_as_serve_does():
     assert r.hint_depth == 0
     for i in range(8):  # no request is held behind the front: each is placed as Serve's routing tasks ask
         assert choose(r, pending("pirate", f"r{i}", waited_s=10 - i)) == "a"
+
+
+def test_a_request_behind_the_front_keeps_its_replica_unless_another_holds_its_adapter():
+    view = {"a": {"ongoing": 2, "hint_room": 16}, "b": {"ongoing": 2, "hint_room": 16}}
+    r, actor = router(True, view)
+    requests = [pending(f"adapter{i}", f"r{i}", waited_s=10 - i) for i in range(5)]
+    for request in requests:
+        asyncio.run(r.choose_replicas([replica("a"), replica("b")], request))
+    [(first, _, _, _)] = [h for h in actor.hints if h[2] == "r4"]
+    other = "b" if first == "a" else "a"
+    view[first]["ongoing"], view[other]["ongoing"] = 2, 0  # the other frees: r4 still waits where it was hinted
+    for _ in range(3):
+        assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4])) == []
+    assert [h for h in actor.hints if h[2] == "r4"] == [(first, "adapter4", "r4", "ahead")]  # no move, no new hint
+    view[other]["resident"] = ["adapter4"]  # its adapter is now resident on the other: the hint moves there
+    asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4]))
+    assert (first, "adapter4", "r4", "withdrawn") in actor.hints and (other, "adapter4", "r4", "ahead") in actor.hints

@@ -119,10 +119,11 @@ def test_affinity_repeated_requests_stay_on_the_holding_replica(cluster, manifes
 
 
 def totals(view: dict) -> dict:
-    out = {"hint_hits": 0, "inflight_hits": 0, "misses": 0, "hints_received": 0, "hints_duplicate": 0, "lead_count": 0,
-           "lead_sum": 0.0}
+    keys = ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_duplicate", "hinted_on_device",
+            "hinted_in_host", "hinted_from_disk")
+    out = {**dict.fromkeys(keys, 0), "lead_count": 0, "lead_sum": 0.0}
     for stats in view.values():
-        for key in ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_duplicate"):
+        for key in keys:
             out[key] += stats["arrivals"][key]
         out["lead_count"] += stats["hint_lead_seconds"]["count"]
         out["lead_sum"] += stats["hint_lead_seconds"]["sum"]
@@ -144,10 +145,10 @@ def test_hints_reach_replicas_before_their_requests(cluster, manifest):
     assert delta["hints_received"] > 0
     assert delta["hints_duplicate"] == 0, "a request turned away by a full replica was hinted again"
     assert delta["lead_count"] > 0 and delta["lead_sum"] > 0, "no hint arrived before its request"
-    hinted = delta["lead_count"]
-    assert delta["hint_hits"] + delta["inflight_hits"] >= 0.5 * (delta["hint_hits"] + delta["inflight_hits"]
-                                                                  + delta["misses"]), delta
-    assert hinted >= 1
+    # Of the arrivals that had waited hinted, most found their adapter in a slot or loading. (Over all arrivals
+    # the hit rate says little here: 8 adapters cycle over 12 slots, and without hints it measured 0.50-0.63.)
+    hinted = delta["hinted_on_device"] + delta["hinted_in_host"] + delta["hinted_from_disk"]
+    assert hinted >= 1 and delta["hinted_on_device"] >= 0.5 * hinted, delta
 
 
 def load_in_background(cluster, names, stop: threading.Event, results: list):

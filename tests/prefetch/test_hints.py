@@ -2,7 +2,7 @@
 
 import random
 
-from prefetch.hints import HintBook
+from prefetch.hints import HintBook, in_order_batches
 from prefetch.placement import MIN_HINT_ROOM, ReplicaLoad, can_hint, hint_room, place
 
 
@@ -131,3 +131,37 @@ def test_the_hint_budget_counts_distinct_adapters():
     live["r4"] = "c"
     del live["r1"]  # a still has r3 on its way: a and c fill the room
     assert can_hint("c", live.values(), room=2) and not can_hint("d", live.values(), room=2)
+
+
+def test_a_poll_applies_hints_in_the_order_the_router_sent_them():
+    """The engine applies a batch's waiting hints before its withdrawals; a request hinted, withdrawn and hinted
+    again in one poll must keep its hint (applied as one batch, the second add was a duplicate and the withdrawal
+    then dropped the hint)."""
+    hints = [{"kind": "waiting", "request_id": "r1"}, {"kind": "waiting", "request_id": "r2"},
+             {"kind": "withdrawn", "request_id": "r1"}, {"kind": "incoming", "request_id": "r3"},
+             {"kind": "waiting", "request_id": "r1"}, {"kind": "withdrawn", "request_id": "r2"}]
+    batches = in_order_batches(hints)
+    assert batches == [hints[:4], hints[4:]]
+    book = HintBook(ttl_s=30.0)
+    for batch in batches:  # as Engine.hint applies each batch
+        outcomes = [book.add("a", 0.0, h["request_id"]) for h in batch if h["kind"] == "waiting"]
+        assert "duplicate" not in outcomes
+        for h in batch:
+            if h["kind"] == "withdrawn":
+                book.withdraw("a", h["request_id"])
+    assert book.demand() == ["a"] and book.arrived("a", 1.0, "r1") == 0.0  # r1's hint is there, r2's is not
+    assert in_order_batches([]) == [] and in_order_batches(hints[:2]) == [hints[:2]]
+
+
+def test_a_request_hinted_far_back_is_fetched_only_until_it_nears_the_front():
+    book = HintBook(ttl_s=30.0)
+    assert book.add("a", 0.0, "r1", near=False) == "added" and book.add("b", 1.0, "r2") == "added"
+    assert book.demand() == ["b"] and book.ahead() == ["a"]  # "a" only to the node, "b" into every tier
+    assert book.add("a", 2.0, "r1", near=False) == "duplicate"
+    assert book.add("a", 3.0, "r1") == "upgraded"  # near the front now: it keeps its place (its first hint)
+    assert book.demand() == ["a", "b"] and book.ahead() == []
+    assert book.add("a", 4.0, "r1") == "duplicate"
+    assert book.arrived("a", 5.0, "r1") == 0.0  # the lead counts from the first hint
+    book.add("c", 6.0, "r3", near=False)
+    book.withdraw("c", "r3")
+    assert book.ahead() == [] and "c" not in book

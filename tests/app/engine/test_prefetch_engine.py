@@ -236,3 +236,38 @@ def test_adapter_wait_is_recorded_once_per_request(make_engine, manifest, adapte
     assert 0 < before["sum"] <= wait["sum"]
     first, whole = metrics["first_token_seconds"], metrics["request_seconds"]  # every request, the base one too
     assert first["count"] == whole["count"] == 3 and wait["sum"] <= first["sum"] <= whole["sum"]
+
+
+def test_a_hint_from_far_back_loads_nothing_until_the_request_nears_the_front(make_engine, adapter_names):
+    """An `ahead` hint only fetches a remote adapter to the node (these are local: nothing to fetch); its upgrade to
+    `waiting` loads it as any hint does, and counts as the same hint."""
+    engine = make_engine(num_slots=2)
+    adapter = adapter_names[2]
+    engine.hint([], ahead=[adapter], ahead_ids=["r1"])
+    for _ in range(5):
+        engine.step()
+    assert not engine.residency.is_loading() and adapter not in engine.routing_stats()["resident"]
+    assert adapter not in engine.residency.host_cache and engine.hints.ahead() == [adapter]
+    engine.hint([adapter], hint_ids=["r1"])  # near the front now
+    deadline = time.time() + 10
+    while adapter not in engine.routing_stats()["resident"] and time.time() < deadline:
+        engine.step()
+    assert adapter in engine.routing_stats()["resident"] and engine.metrics()["hints_received"] == 1
+
+
+def test_remote_adapters_of_far_back_hints_are_fetched_to_the_node_after_nearer_ones(make_engine, manifest,
+                                                                                    adapter_names):
+    engine = make_engine(num_slots=2)
+    fetched, on_node = [], set()
+    engine.residency._fetch_ahead = fetched.append  # the registry's node-cache fetch, as for remote adapters
+    engine.residency._on_node = on_node.__contains__
+    queued, near, far = adapter_names[:3]
+    engine.hint([], ahead=[far], ahead_ids=["r3"])
+    engine.hint([near], hint_ids=["r2"])
+    engine.add_request(manifest["prompts"][0], queued, greedy(2))
+    engine.step()
+    assert fetched[-1] == [queued, near, far]  # nearest first
+    assert engine.residency.pool.lookup(far) is None and far not in engine.residency.host_cache
+    on_node.update(adapter_names)  # on the node now: the near one goes up the tiers, the far one stays
+    run_all(engine, check=True)
+    assert near in engine.routing_stats()["resident"] and engine.residency.pool.lookup(far) is None

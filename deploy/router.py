@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deploy.state import find_router_state
-from prefetch.placement import ReplicaLoad, can_hint, place
+from prefetch.placement import Placement, ReplicaLoad, can_hint, place
 
 log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
@@ -177,20 +177,8 @@ class AdapterAffinityRouter(RequestRouter):
             self._waits_at.pop(rid, None)
         elif self._waits_at.get(rid, ("",))[0] != decision.uid:
             self._waits_at[rid] = (decision.uid, now)
-        if self.hints and decision.must_wait and adapter_id is not None:
-            if behind:
-                if rid not in self._hinted:
-                    self._hint_ahead(decision.uid, adapter_id, rid, now)
-            elif rid in self._hinted and rid not in self._ahead:
-                # hinted there already, then turned away by the full replica: waits again
-                self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
-            else:  # new, or hinted far back and now near the front
-                self._hint_waiting(decision.uid, adapter_id, rid, loads[decision.uid].hint_room, now)
-        if self.hints and decision.spread_to and adapter_id is not None and \
-                self._announced.get(rid, ("",))[0] != decision.spread_to:
-            # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
-            self._announced[rid] = (decision.spread_to, now)
-            self._actor.push_hint.remote(decision.spread_to, adapter_id, rid, "incoming")
+        if self.hints and adapter_id is not None:
+            self._hint(decision, adapter_id, rid, behind, loads[decision.uid].hint_room, now)
         if not decision.must_wait:
             self._waiting_hints.get(decision.uid, {}).pop(rid, None)  # sent on: no longer waits on the budget
             self._deferred.pop(rid, None)
@@ -201,6 +189,24 @@ class AdapterAffinityRouter(RequestRouter):
             await asyncio.sleep(BEHIND_RECHECK_S)
             return []  # Serve backs off and asks again
         return [[by_uid[decision.uid]]]
+
+    def _hint(self, decision: Placement, adapter_id: str, rid: str, behind: bool, room: int | None,
+              now: float) -> None:
+        """The hints a placement calls for: the replica the request waits for (ahead if it is far back), and the
+        replica it may spread to."""
+        if decision.must_wait:
+            if behind:
+                if rid not in self._hinted:
+                    self._hint_ahead(decision.uid, adapter_id, rid, now)
+            elif rid in self._hinted and rid not in self._ahead:
+                # hinted there already, then turned away by the full replica: waits again
+                self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
+            else:  # new, or hinted far back and now near the front
+                self._hint_waiting(decision.uid, adapter_id, rid, room, now)
+        if decision.spread_to and self._announced.get(rid, ("",))[0] != decision.spread_to:
+            # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
+            self._announced[rid] = (decision.spread_to, now)
+            self._actor.push_hint.remote(decision.spread_to, adapter_id, rid, "incoming")
 
     def _hint_waiting(self, uid: str, adapter_id: str, rid: str, room: int | None, now: float) -> None:
         """Hint the replica the request waits for, within its hint room; else count it held back (once), and

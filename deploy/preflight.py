@@ -117,26 +117,31 @@ def app_ports(serve_config: Path) -> list[int]:
     return ports
 
 
-def free_ports(ports: list[int], settle_s: float = 15.0) -> list[str]:
-    """End orphaned Serve HAProxies on `ports`; return one line per port something else still holds."""
-    problems = []
-    for port in ports:
-        deadline = time.monotonic() + settle_s
-        found = holders(port)
-        while any(h.pid is not None and h.is_serve_haproxy and not h.is_orphaned_serve_haproxy for h in found) \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)  # a cluster killed a moment ago is still dying
-            found = holders(port)
-        for holder in found:
-            if holder.is_orphaned_serve_haproxy:
-                print(f"ending a stale HAProxy (pid {holder.pid}) left on :{port} by an earlier `serve run` "
-                      "that did not shut down", file=sys.stderr)
-                _end(holder.pid)
-            elif holder.pid is None:
-                problems.append(f":{port} is held by a process of another user")
-            else:
-                problems.append(f":{port} is held by pid {holder.pid} ({holder.cmdline[:120]})")
-    return problems
+def free_ports(ports: list[int], settle_s: float = 15.0, unseen_s: float = 3.0) -> list[str]:
+    """End orphaned Serve HAProxies on `ports`; return one line per port something else still holds.
+
+    All the ports are scanned again after each ending, and while a holder is in flux: one HAProxy holds all of
+    them, so ending it on one port frees the others; a Serve HAProxy whose cluster is dying is waited for (up
+    to settle_s); and a listening socket with no visible owner, which is how a socket looks while one HAProxy
+    hands it to its reloaded successor, is looked at again for unseen_s before it counts as another user's."""
+    start = time.monotonic()
+    while True:
+        found = {port: holders(port) for port in ports}
+        waited = time.monotonic() - start
+        orphans = {h.pid: port for port, held in found.items() for h in held if h.is_orphaned_serve_haproxy}
+        for pid, port in orphans.items():
+            print(f"ending a stale HAProxy (pid {pid}) left on :{port} by an earlier `serve run` that did not "
+                  "shut down", file=sys.stderr)
+            _end(pid)
+        held = [h for hs in found.values() for h in hs]
+        dying = any(h.pid is not None and h.is_serve_haproxy for h in held)  # its cluster is still going
+        unseen = any(h.pid is None for h in held)
+        if waited < settle_s and (orphans or dying or (unseen and waited < unseen_s)):
+            time.sleep(0 if orphans else 0.5)
+            continue
+        return [f":{port} is held by a process of another user" if holder.pid is None else
+                f":{port} is held by pid {holder.pid} ({holder.cmdline[:120]})"
+                for port, hs in found.items() for holder in hs if not holder.is_orphaned_serve_haproxy]
 
 
 def main() -> int:

@@ -100,12 +100,17 @@ def holders(port: int) -> list[Holder]:
 
 
 def _end(pid: int, timeout_s: float = 5.0) -> None:
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and _ppid(pid) is not None:
-        time.sleep(0.05)
-    if Path(f"/proc/{pid}").exists():
-        os.kill(pid, signal.SIGKILL)
+    """SIGTERM, then SIGKILL after timeout_s; a process that is gone already (an HAProxy that a reload or its
+    own exit ended since the scan) is what was wanted."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and _ppid(pid) is not None:
+            time.sleep(0.05)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def app_ports(serve_config: Path) -> list[int]:

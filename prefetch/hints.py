@@ -148,8 +148,8 @@ class HintBook:
 def in_order_batches(hints: list[dict]) -> list[list[dict]]:
     """Split a mailbox's hints (dicts with "kind", in the order the router sent them) so that applying each batch's
     "ahead" and "waiting" hints before its "withdrawn" ones (Engine.hint) gives what applying them one by one
-    would: a batch ends where such a hint follows a "withdrawn" one. A request hinted here, withdrawn, and hinted here again
-    in one poll then keeps its hint, where adds-then-withdrawals would count a duplicate and drop it."""
+    would: a batch ends where such a hint follows a "withdrawn" one. A request hinted here, withdrawn, and hinted
+    here again in one poll then keeps its hint, where adds-then-withdrawals would count a duplicate and drop it."""
     batches: list[list[dict]] = [[]]
     for hint in hints:
         kind = hint.get("kind", "waiting")

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
-from bench.common import write_result
+from bench.common import RESULTS, write_result
 from bench.serve.store import EmulatedStore, StoreConfig, describe
 from bench.serve.store_proxy import WEIGHTS_NAME
 
@@ -95,7 +95,7 @@ def timed_phase(run, args, per_ms: int) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--downloads", type=int, default=8, help="adapters downloading at once (fetch workers)")
     parser.add_argument("--rounds", type=int, default=3, help="times each phase downloads every adapter")
@@ -107,6 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
     parser.add_argument("--shards", type=int, default=StoreConfig.shards)
     parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
     scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
@@ -137,8 +138,10 @@ def main(argv=None) -> None:
     print(f"idle: step p50/p90/p99 {phases[0]['step_ms_p50']:.2f} / {phases[0]['step_ms_p90']:.2f} / "
           f"{phases[0]['step_ms_p99']:.2f} ms")
     path = write_result("fetch-contention", {"benchmark": "fetch-contention", "store": describe(config),
-                                             "cpus": os.cpu_count(), "args": vars(args), "phases": phases})
+                                             "cpus": os.cpu_count(), "args": {**vars(args), "results_dir": None},
+                                             "phases": phases}, args.results_dir)
     print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ to it, and a run's node cache counters add up over replicas."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -147,3 +148,16 @@ def test_remote_counters_are_the_node_caches_summed_over_replicas():
     assert summary["hinted_from_store"] == 2 and summary["hinted_on_node_share"] == 6 / 8
     assert hinted_hit_rate(delta) == 3 / 8  # the store tier counts among the hinted arrivals
     assert remote_summary({"hinted_on_device": 0}) is None
+
+
+def test_fetch_contention_times_the_loop_in_every_phase(tmp_path):
+    from bench.serve import fetch_contention
+
+    path = fetch_contention.main(["--downloads", "2", "--object-mb", "1", "--rounds", "1", "--repeats", "1",
+                                  "--shards", "1", "--proxies", "1", "--latency-ms", "10", "--results-dir",
+                                  str(tmp_path)])
+    phases = json.loads(path.read_text())["phases"]
+    assert [p["phase"] for p in phases] == ["idle", "2 downloads in the loop's process",
+                                            "2 downloads in a child process"]
+    assert all(p["steps"] > 0 and p["step_ms_p50"] >= 7.0 for p in phases)  # 2 ms of Python + 7 ms asleep, at least
+    assert all(p["download_mb_per_s"] > 0 for p in phases[1:])

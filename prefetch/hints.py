@@ -134,9 +134,10 @@ class HintBook:
         return self._in_order(near=False)
 
     def _in_order(self, near: bool) -> list[str]:
-        firsts = {a: min(t for t, _, n in entries if n is near) for a, entries in self._waiting.items()
-                  if any(n is near for _, _, n in entries)}
-        return [a for a in sorted(firsts, key=firsts.get) for _, _, n in self._waiting[a] if n is near]
+        # entries are oldest first: an adapter's first entry of the tier is its oldest
+        firsts = {a: next(t for t, _, n in entries if n == near) for a, entries in self._waiting.items()
+                  if any(n == near for _, _, n in entries)}
+        return [a for a in sorted(firsts, key=firsts.get) for _, _, n in self._waiting[a] if n == near]
 
     def incoming(self) -> frozenset:
         return frozenset(self._incoming)

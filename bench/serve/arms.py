@@ -194,8 +194,7 @@ def remote_summary(delta: dict) -> dict | None:
     return {"fetched_bytes": remote["downloaded_bytes"], "downloads": remote["downloads"],
             "adapters_requested": requested,
             "extra_downloads": extra, "wasted_remote_bytes": wasted,
-            "wasted_remote_share": wasted / remote["downloaded_bytes"] if wasted and remote["downloaded_bytes"] else
-            (None if wasted is None else 0.0),
+            "wasted_remote_share": None if wasted is None else wasted / max(remote["downloaded_bytes"], 1),
             "download_s_mean": remote["download_seconds"] / remote["downloads"] if remote["downloads"] else None,
             "cache_hits": remote["hits"], "waited_for_other": remote["waited_for_other"],
             "evictions": remote["evictions"], "fetched_ahead": remote["fetched_ahead"],

@@ -173,12 +173,18 @@ def test_requests_behind_the_front_are_hinted_in_order_and_never_overtake_an_old
     assert choose(r, requests[6]) == "b"
 
 
-def test_a_request_hinted_ahead_is_hinted_waiting_once_near_the_front():
-    r, actor = router(True, FULL)
+def five_waiting(r) -> list:
+    """Five requests for pirate at FULL's replicas, oldest first: four at the front (2 x 2 replicas), one behind."""
     requests = [pending("pirate", f"r{i}", waited_s=10 - i) for i in range(5)]
     for request in requests[:4]:
         choose(r, request)
     assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4])) == []
+    return requests
+
+
+def test_a_request_hinted_ahead_is_hinted_waiting_once_near_the_front():
+    r, actor = router(True, FULL)
+    requests = five_waiting(r)
     assert actor.hints[-1] == ("a", "pirate", "r4", "ahead")
     r.on_request_routed(requests[0], ReplicaId("a"), None)  # r4 nears the front, still waiting at "a"
     assert choose(r, requests[4]) == "a" and actor.hints[-1] == ("a", "pirate", "r4")
@@ -187,11 +193,8 @@ def test_a_request_hinted_ahead_is_hinted_waiting_once_near_the_front():
 
 
 def test_a_cancelled_request_in_front_moves_those_behind_up():
-    r, actor = router(True, FULL)
-    requests = [pending("pirate", f"r{i}", waited_s=10 - i) for i in range(5)]
-    for request in requests[:4]:
-        choose(r, request)
-    assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4])) == []
+    r, _ = router(True, FULL)
+    requests = five_waiting(r)
     requests[0].future = SimpleNamespace(done=lambda: True)  # cancelled by its client
     assert choose(r, requests[4]) == "a"
 

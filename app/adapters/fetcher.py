@@ -12,13 +12,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from app.adapters.format import CONFIG_NAME
 from app.adapters.node_cache import CacheKey, NodeCache
-from app.adapters.remote import RemoteStore
+from app.adapters.remote import ObjectChanged, RemoteStore
 from app.adapters.safetensors_file import WEIGHTS_NAME
 from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adapter
 from app.errors import AdapterInvalid, AdapterLoadFailed
@@ -125,28 +125,39 @@ class RemoteFetcher:
 
     @contextmanager
     def _fetched(self, spec: AdapterSpec, downloaded: Callable[[int], None] | None = None) -> Iterator[AdapterSpec]:
-        """The spec of the adapter's copy in the node cache, held there for the block. On a miss, the store is
-        asked first whether the object is still the one registered; if it changed, the new bytes are fetched
-        and validated against the registration before anything reads them. `downloaded(nbytes)` is called when
-        this call is the one that downloads it, before the copy becomes visible."""
+        """The spec of the adapter's copy in the node cache, held there for the block. A miss downloads the
+        version last known, asking the store nothing first: the bytes are checked against that version, and if
+        they are another's, the store is asked for the object's current version, whose bytes are fetched and
+        validated against the registration before anything reads them. `downloaded(nbytes)` is called when this
+        call is the one that downloads it, before the copy becomes visible."""
         if self.cache is None:
             raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': remote adapters need a node cache "
                                     "(adapter_cache_dir)")
-        registered = (str(spec.path), spec.remote.version)
         with self._lock:
-            files = self._newer.get(registered, spec.remote)
-        if not self.cache.contains(CacheKey(str(spec.path), files.version)):
-            current = RemoteFiles(self.store.stat(files.config.uri), self.store.stat(files.weights.uri))
-            if current.version != files.version:
+            files = self._newer.get((str(spec.path), spec.remote.version), spec.remote)
+        with ExitStack() as held:
+            try:
+                folder = held.enter_context(self._entry(spec, files, downloaded))
+            except ObjectChanged:
+                known, files = files, RemoteFiles(self.store.stat(files.config.uri),
+                                                  self.store.stat(files.weights.uri))
+                if files.version == known.version:
+                    raise
                 log.info("adapter %r changed in its store since registration; validating the new version",
                          spec.adapter_id)
-            files = current
+                folder = held.enter_context(self._entry(spec, files, downloaded))
+            yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
+                          remote=None)
+
+    @contextmanager
+    def _entry(self, spec: AdapterSpec, files: RemoteFiles, downloaded: Callable[[int], None] | None
+               ) -> Iterator[Path]:
+        """The folder of `files`' copy in the node cache, downloaded there on a miss, held for the block."""
         changed = files.version != spec.remote.version
         nbytes = files.config.size + files.weights.size
 
         def fill(folder: Path) -> None:
-            for obj, name in ((files.config, CONFIG_NAME), (files.weights, WEIGHTS_NAME)):
-                self.store.download(obj, folder / name)
+            self.store.download_all([(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)])
             if changed:  # before the rename makes it visible to anyone
                 try:
                     now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)
@@ -161,9 +172,8 @@ class RemoteFetcher:
             with self._lock:
                 self._on_node.add(key)
                 if changed:  # validated: later reads go to this version's copy without asking the store again
-                    self._newer[registered] = files
-            yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
-                          remote=None)
+                    self._newer[(str(spec.path), spec.remote.version)] = files
+            yield folder
 
 
 def _check_same(registered: AdapterSpec, now: AdapterSpec) -> None:

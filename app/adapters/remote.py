@@ -126,6 +126,10 @@ def describe(uri: str, info: dict) -> RemoteObject:
     return RemoteObject(uri, size, f"{version}/{size}", checksum)
 
 
+class ObjectChanged(AdapterStoreUnavailable):
+    """The bytes that came back are not those of the version asked for: the object changed in its store."""
+
+
 class RemoteStore:
     """The remote adapter roots, and reads under them through fsspec (filesystems made once per protocol and
     host, so connections are reused)."""
@@ -221,26 +225,21 @@ class RemoteStore:
         return out
 
     def download(self, obj: RemoteObject, dest: Path) -> None:
-        """Write the object to `dest` in PART_BYTES ranges fetched at once, then check its size and, where the
-        store gives one, its checksum. The caller owns `dest` (a temporary name it renames once this returns)."""
-        fs, path = self.filesystem(obj.uri)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.download_all([(obj, dest)])
+
+    def download_all(self, files: Sequence[tuple[RemoteObject, Path]]) -> None:
+        """Write each object to its path, the PART_BYTES ranges of all of them fetched at once (so that one
+        first-byte delay covers them all), then check each one's size and, where the store gives one, its
+        checksum. The bytes are checked against the object as described, with no request to the store first:
+        ObjectChanged where they are another version's. The caller owns the paths (temporary names it renames
+        once this returns)."""
+        fds: list[int] = []
         try:
-            os.ftruncate(fd, obj.size)
-
-            def part(start: int) -> None:
-                end = min(start + PART_BYTES, obj.size)
-                with store_errors(obj.uri):
-                    data = _cat_range(fs, path, start, end)
-                if len(data) != end - start:
-                    raise AdapterStoreUnavailable(
-                        f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
-                        retry_after_s=_STORE_RETRY_AFTER_S)
-                view = memoryview(data)
-                while view:
-                    view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
-
-            futures = [self._parts.submit(part, start) for start in range(0, obj.size, PART_BYTES)]
+            for obj, dest in files:
+                fds.append(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+                os.ftruncate(fds[-1], obj.size)
+            futures = [self._parts.submit(self._part, obj, fd, start)
+                       for (obj, _), fd in zip(files, fds) for start in range(0, obj.size, PART_BYTES)]
             try:
                 for future in futures:
                     future.result()
@@ -248,9 +247,27 @@ class RemoteStore:
                 for future in futures:
                     future.cancel()
                 wait(futures)
-            os.fsync(fd)
+            for fd in fds:
+                os.fsync(fd)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
+        for obj, dest in files:
+            self._check(obj, dest)
+
+    def _part(self, obj: RemoteObject, fd: int, start: int) -> None:
+        fs, path = self.filesystem(obj.uri)
+        end = min(start + PART_BYTES, obj.size)
+        with store_errors(obj.uri):
+            data = _cat_range(fs, path, start, end)
+        if len(data) != end - start:
+            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
+                                retry_after_s=_STORE_RETRY_AFTER_S)
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+
+    def _check(self, obj: RemoteObject, dest: Path) -> None:
         if os.stat(dest).st_size != obj.size:
             raise AdapterStoreUnavailable(f"{obj.uri}: downloaded {os.stat(dest).st_size} of {obj.size} bytes",
                                           retry_after_s=_STORE_RETRY_AFTER_S)
@@ -263,14 +280,13 @@ class RemoteStore:
             if digest.hexdigest() == expected:
                 return
             if not (obj.version.startswith("etag:") and self.stat(obj.uri).version == obj.version):
-                raise AdapterStoreUnavailable(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
-                                              "(the object changed during the download?)",
-                                              retry_after_s=_STORE_RETRY_AFTER_S)
+                raise ObjectChanged(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
+                                    "(the object changed?)", retry_after_s=_STORE_RETRY_AFTER_S)
             # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
             log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
             return
         if self.stat(obj.uri).version != obj.version:  # no checksum: at least, the parts all came from one version
-            raise AdapterStoreUnavailable(f"{obj.uri} changed during the download", retry_after_s=_STORE_RETRY_AFTER_S)
+            raise ObjectChanged(f"{obj.uri} changed", retry_after_s=_STORE_RETRY_AFTER_S)
 
     def shutdown(self) -> None:
         self._parts.shutdown(wait=False, cancel_futures=True)

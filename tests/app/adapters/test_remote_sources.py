@@ -198,7 +198,25 @@ def test_s3_refused_credentials_are_400(spare_moto, monkeypatch, registries, tmp
         assert uri in error.value.message and "check the credentials" in error.value.message
 
 
-def test_s3_changed_object_is_revalidated_and_its_new_bytes_served(s3, registries, tmp_path):
+def _count_stats(registry, monkeypatch) -> list[str]:
+    asked, stat = [], registry.store.stat
+    monkeypatch.setattr(registry.store, "stat", lambda uri: asked.append(uri) or stat(uri))
+    return asked
+
+
+def test_s3_miss_asks_the_store_nothing_before_its_download(s3, registries, tmp_path, monkeypatch):
+    # One first-byte delay per adapter: both files' ranged GETs go at once, checked against the registered ETags.
+    make_adapter(tmp_path / "local" / "a", r=4)
+    uri = s3.put_folder(tmp_path / "local" / "a", "adapters/a")
+    registry = registries([s3.uri("adapters")], cache=NodeCache(tmp_path / "cache", 1 << 20))
+    spec = registry.register("a", uri)
+    asked = _count_stats(registry, monkeypatch)
+    local = registries([tmp_path / "local"])
+    assert_same_bytes(registry.read(spec, check_finite=True), local.read(local.register("a", "a")))
+    assert asked == []
+
+
+def test_s3_changed_object_is_revalidated_and_its_new_bytes_served(s3, registries, tmp_path, monkeypatch):
     folder = tmp_path / "local" / "a"
     make_adapter(folder, r=4)
     uri = s3.put_folder(folder, "adapters/a")
@@ -207,9 +225,12 @@ def test_s3_changed_object_is_revalidated_and_its_new_bytes_served(s3, registrie
     spec = registry.register("a", uri)
     edit_tensors(folder, lambda tensors: [t.mul_(2) for k, t in tensors.items() if "lora_B" in k])
     s3.put_folder(folder, "adapters/a")  # same shapes and sizes, new bytes
+    asked = _count_stats(registry, monkeypatch)
     local = registries([tmp_path / "local"])
     assert_same_bytes(registry.read(spec, check_finite=True), local.read(local.register("a", "a")))
     assert registry.is_cached(spec) and cache.stats.downloads == 1  # the new version, which the node now serves
+    # The weights missed the registered ETag, so the store was asked for their version, then for both files'.
+    assert sorted(asked) == sorted([spec.remote.config.uri] + [spec.remote.weights.uri] * 2)
     registry.read(spec)
     assert (cache.stats.downloads, cache.stats.hits) == (1, 1)
 

@@ -266,11 +266,12 @@ class Claim:
             self.remote.drop_cache()
 
     def can_deploy(self, i: int) -> bool:
-        """A later arm deploys only if its first run can end within the budget (deploying as the first arm did)."""
+        """A later arm deploys only if its first run can end within the budget, deploying as the arm before it did
+        (the first arm's deployment reads the base from a cold page cache, and takes the longest)."""
         if i == 0 or not self.args.time_budget_s:
             return True
         first_workload = self.chosen[0][0]
-        needed = self.deploy_s[self.args.arms[0]] + self.measured[first_workload]
+        needed = self.deploy_s[self.args.arms[i - 1]] + self.measured[first_workload]
         return time.perf_counter() - self.started + needed <= self.args.time_budget_s
 
     def fits(self, i: int, arm_name: str, workload: str, requests: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -45,16 +46,28 @@ class RemoteFetcher:
         self._ahead = {"fetched_ahead": 0, "fetched_ahead_bytes": 0, "fetched_ahead_used": 0,
                        "fetched_ahead_used_bytes": 0}
         self._unused_ahead: dict[CacheKey, int] = {}  # fetched ahead, not read since: key -> bytes
+        self._reads_waiting: Counter[str] = Counter()  # URI -> reads under way: its download's parts go first
 
     def read(self, spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
-        """The adapter's file from the node cache, fetched first where the node does not hold it."""
-        with self._fetched(spec) as local:
-            key = self._cache_key(spec)
+        """The adapter's file from the node cache, fetched first where the node does not hold it. A request
+        waits for this read, so its download (or the fetch ahead already under way for it) takes the store's
+        connections ahead of other fetches ahead."""
+        uri = str(spec.path)
+        with self._lock:
+            self._reads_waiting[uri] += 1
+        try:
+            with self._fetched(spec) as local:
+                key = self._cache_key(spec)
+                with self._lock:
+                    if (nbytes := self._unused_ahead.pop(key, None)) is not None:
+                        self._ahead["fetched_ahead_used"] += 1
+                        self._ahead["fetched_ahead_used_bytes"] += nbytes
+                return read_adapter(local, check_finite)
+        finally:
             with self._lock:
-                if (nbytes := self._unused_ahead.pop(key, None)) is not None:
-                    self._ahead["fetched_ahead_used"] += 1
-                    self._ahead["fetched_ahead_used_bytes"] += nbytes
-            return read_adapter(local, check_finite)
+                self._reads_waiting[uri] -= 1
+                if not self._reads_waiting[uri]:
+                    del self._reads_waiting[uri]
 
     def fetch_ahead(self, specs: Sequence[AdapterSpec]) -> int:
         """Start fetching `specs` (remote ones, nearest need first) into the node cache, only while those named so
@@ -155,9 +168,11 @@ class RemoteFetcher:
         """The folder of `files`' copy in the node cache, downloaded there on a miss, held for the block."""
         changed = files.version != spec.remote.version
         nbytes = files.config.size + files.weights.size
+        uri = str(spec.path)
 
         def fill(folder: Path) -> None:
-            self.store.download_all([(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)])
+            self.store.download_all([(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)],
+                                    is_urgent=lambda: uri in self._reads_waiting)  # one dict lookup: no lock
             if changed:  # before the rename makes it visible to anyone
                 try:
                     now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)

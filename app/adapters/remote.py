@@ -16,13 +16,14 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
 
+from app.adapters.urgent_pool import UrgentFirstPool
 from app.errors import (
     AdapterFormatError,
     AdapterPathOutsideRoots,
@@ -139,7 +140,7 @@ class RemoteStore:
         self.timeout_s, self.workers = timeout_s, workers
         self._filesystems: dict[str, fsspec.AbstractFileSystem] = {}
         self._lock = threading.Lock()
-        self._parts = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch-part")
+        self._parts = UrgentFirstPool(workers, "adapter-fetch-part")
 
     def resolve(self, adapter_id: str, uri: str) -> str:
         """The normalized URI, if it lies under a remote root; AdapterPathOutsideRoots otherwise."""
@@ -227,18 +228,20 @@ class RemoteStore:
     def download(self, obj: RemoteObject, dest: Path) -> None:
         self.download_all([(obj, dest)])
 
-    def download_all(self, files: Sequence[tuple[RemoteObject, Path]]) -> None:
+    def download_all(self, files: Sequence[tuple[RemoteObject, Path]],
+                     is_urgent: Callable[[], bool] = lambda: True) -> None:
         """Write each object to its path, the PART_BYTES ranges of all of them fetched at once (so that one
         first-byte delay covers them all), then check each one's size and, where the store gives one, its
         checksum. The bytes are checked against the object as described, with no request to the store first:
         ObjectChanged where they are another version's. The caller owns the paths (temporary names it renames
-        once this returns)."""
+        once this returns). Parts go ahead of those of other downloads while `is_urgent()` holds and theirs
+        does not: a fetch ahead yields the connections to one that a request waits for."""
         fds: list[int] = []
         try:
             for obj, dest in files:
                 fds.append(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
                 os.ftruncate(fds[-1], obj.size)
-            futures = [self._parts.submit(self._part, obj, fd, start)
+            futures = [self._parts.submit(is_urgent, self._part, obj, fd, start)
                        for (obj, _), fd in zip(files, fds) for start in range(0, obj.size, PART_BYTES)]
             try:
                 for future in futures:
@@ -289,7 +292,7 @@ class RemoteStore:
             raise ObjectChanged(f"{obj.uri} changed", retry_after_s=_STORE_RETRY_AFTER_S)
 
     def shutdown(self) -> None:
-        self._parts.shutdown(wait=False, cancel_futures=True)
+        self._parts.shutdown()
 
 
 def _cat_range(fs, path: str, start: int, end: int) -> bytes:

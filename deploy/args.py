@@ -34,7 +34,7 @@ class AppArgs(BaseModel):
     adapter_cache_bytes: int = Field(default=32 * GiB, ge=1, description="Byte budget of that disk cache; least "
                                      "recently used adapters not being read are evicted beyond it.")
     adapter_fetch_workers: int = Field(default=8, ge=1, description="Remote adapters fetched at once per replica, "
-                                       "and 16 MiB ranges of one file fetched at once.")
+                                       "and 16 MiB ranges fetched at once over all downloads.")
     adapter_fetch_timeout_s: float = Field(default=60.0, gt=0, description="Limit of one call to a store; a store "
                                            "that hangs fails the requests that need it with 503 and Retry-After.")
     build_demo: bool = Field(default=True, description="Generate the tiny demo if base_model is the demo's and missing.")

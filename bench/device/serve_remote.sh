@@ -26,7 +26,8 @@
 # for 257 adapters (the 32 distinct ones, the rest copies inside the store); then 112-125 s to deploy the first arm
 # (the base read from a cold page cache, CUDA graphs, each replica registering the N remote adapters) and 65-72 s
 # each later one, and 35-70 s to play the trace. One call fits A and A0 at 1 replica and 192 requests
-# (BUDGET_S=548: 494 s), or all three arms at 2 replicas and 160 requests (478 s). The bench checks before its first
+# (BUDGET_S=548: 494 s), all three arms at 1 replica, 128 requests and RATE=3.5 (BUDGET_S=560: 542 s), or all three
+# arms at 2 replicas and 160 requests (478 s). The bench checks before its first
 # run that both arms of the pair fit BUDGET_S (520, from the call's start), and starts no run that would end past
 # it. The call ends by 560 s.
 # Results: bench/results/<slug>-serve-remote-<workload><TAG>.json, with the store's measured floor, copied to $OUT

@@ -161,3 +161,13 @@ def test_fetch_contention_times_the_loop_in_every_phase(tmp_path):
                                             "2 downloads in a child process"]
     assert all(p["steps"] > 0 and p["step_ms_p50"] >= 7.0 for p in phases)  # 2 ms of Python + 7 ms asleep, at least
     assert all(p["download_mb_per_s"] > 0 for p in phases[1:])
+
+
+def test_urgent_fetch_times_the_waited_download_each_way(tmp_path):
+    from bench.serve import urgent_fetch
+
+    path = urgent_fetch.main(["--ahead", "2", "--object-mb", "1", "--repeats", "1", "--shards", "1", "--proxies", "1",
+                              "--latency-ms", "10", "--after-s", "0.05", "--results-dir", str(tmp_path)])
+    waited = json.loads(path.read_text())["waited_download"]
+    assert sorted(waited) == ["alone", "in order", "urgent"]
+    assert all(len(w["runs_s"]) == (2 if name == "alone" else 1) and w["median_s"] > 0 for name, w in waited.items())

@@ -13,16 +13,15 @@ from concurrent.futures import Future
 
 
 class UrgentFirstPool:
-    """`workers` threads; each takes the oldest queued job whose `is_urgent()` holds when the thread comes free,
-    else the oldest job. Urgency is asked again at every pick, so queued work that a request comes to wait for
-    moves ahead of the rest."""
+    """Up to `workers` threads, started as work first comes; each takes the oldest queued job whose `is_urgent()`
+    holds when the thread comes free, else the oldest job. Urgency is asked again at every pick, so queued work
+    that a request comes to wait for moves ahead of the rest."""
 
     def __init__(self, workers: int, name: str):
         self._jobs: list[tuple[Callable[[], bool], Future, Callable, tuple]] = []
         self._ready = threading.Condition()
         self._closed = False
-        for i in range(workers):
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+        self._workers, self._name, self._started = workers, name, 0
 
     def submit(self, is_urgent: Callable[[], bool], fn: Callable, *args) -> Future:
         future: Future = Future()
@@ -31,6 +30,9 @@ class UrgentFirstPool:
                 raise RuntimeError("the pool is shut down")
             self._jobs.append((is_urgent, future, fn, args))
             self._ready.notify()
+            if self._started < self._workers:
+                threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True).start()
+                self._started += 1
         return future
 
     def shutdown(self) -> None:

@@ -261,8 +261,14 @@ class RemoteStore:
     def _part(self, obj: RemoteObject, fd: int, start: int) -> None:
         fs, path = self.filesystem(obj.uri)
         end = min(start + PART_BYTES, obj.size)
-        with store_errors(obj.uri):
-            data = _cat_range(fs, path, start, end)
+        try:
+            with store_errors(obj.uri):
+                data = _cat_range(fs, path, start, end)
+        except AdapterStoreUnavailable as e:
+            if any(_is_past_end(error) for error in _chain(e.__cause__)):
+                raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)",
+                                    retry_after_s=_STORE_RETRY_AFTER_S) from e
+            raise
         if len(data) != end - start:
             raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
                                 retry_after_s=_STORE_RETRY_AFTER_S)
@@ -343,6 +349,11 @@ def _is_missing(error: BaseException) -> bool:
     return (isinstance(error, FileNotFoundError) or getattr(error, "status", None) in (404, 410)
             or type(error).__name__.endswith("NotFoundError")  # the Hub's repository, revision and entry
             or "NoSuchBucket" in str(error))  # s3fs's listings pass it on untranslated
+
+
+def _is_past_end(error: BaseException) -> bool:
+    """A range the object no longer reaches: HTTP 416, which s3fs passes on as InvalidRange."""
+    return getattr(error, "status", None) == 416 or "InvalidRange" in str(error) or "not satisfiable" in str(error)
 
 
 def _chain(error: BaseException):

@@ -256,6 +256,23 @@ def test_s3_changed_object_that_no_longer_matches_is_refused(s3, registries, tmp
     assert cache.used_bytes() == 0 and list(cache.tmp.iterdir()) == []
 
 
+def test_s3_object_shrunk_to_a_range_boundary_is_revalidated(s3, registries, tmp_path, monkeypatch):
+    # Its first range comes back whole and the next lies past the new end: the store answers 416, which here
+    # means "changed", not "down".
+    folder = tmp_path / "local" / "a"
+    make_adapter(folder, r=16, target_modules="all-linear")
+    uri = s3.put_folder(folder, "adapters/a")
+    registry = registries([s3.uri("adapters")], cache=NodeCache(tmp_path / "cache", 1 << 24))
+    spec = registry.register("a", uri)
+    make_adapter(folder, r=12, target_modules="all-linear")  # a config of the same size: its range comes back whole
+    s3.put_folder(folder, "adapters/a")
+    monkeypatch.setattr(remote, "PART_BYTES", (folder / WEIGHTS_NAME).stat().st_size)
+    assert spec.remote.weights.size > remote.PART_BYTES
+    assert spec.remote.config.size == (folder / CONFIG_NAME).stat().st_size
+    with pytest.raises(AdapterLoadFailed, match="its ranks no longer match"):
+        registry.read(spec)
+
+
 def test_s3_store_down_fails_only_uncached_adapters(spare_moto, monkeypatch, registries, tmp_path, caplog):
     spare_moto.use(monkeypatch)
     bucket = spare_moto.bucket()

@@ -39,7 +39,10 @@ def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
         assert summary["completed"] == summary["requests"] == 16
         assert sum(summary["arrival_kinds"].values()) == 16  # the warm-ups are not counted
         assert summary["tiers"]["disk_to_host"]["reads"] == 0  # every adapter was in the host caches
-    assert a["hints_received"] > 0 and a["hint_lead_histogram"]["count"] > 0
+    # Both replicas hold every adapter here, so a request hinted to one may still be served by the other first:
+    # how many arrivals consume their hint is timing. Each one that does is counted once, with its lead.
+    assert a["hints_received"] > 0
+    assert a["hint_lead_histogram"]["count"] == sum(a["hinted_arrivals"].values())
     assert a0["hints_received"] == a0["hints_pushed"] == 0
 
 

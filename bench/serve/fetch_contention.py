@@ -29,7 +29,7 @@ from pathlib import Path
 from unittest import mock
 
 from bench.common import RESULTS, write_result
-from bench.serve.store import EmulatedStore, StoreConfig, describe
+from bench.serve.store import EmulatedStore, add_store_arguments, describe, random_objects, store_config
 from bench.serve.store_proxy import WEIGHTS_NAME
 
 
@@ -103,21 +103,14 @@ def main(argv=None) -> Path:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--step-python-ms", type=float, default=2.0)
     parser.add_argument("--step-wait-ms", type=float, default=7.0, help="the GPU's share of a decode step")
-    parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
-    parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
-    parser.add_argument("--shards", type=int, default=StoreConfig.shards)
-    parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    add_store_arguments(parser)
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+    config = store_config(args)
     scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
     phases = []
     try:
-        folders = []
-        for i in range(args.downloads):
-            (folder := scratch / f"adapter-{i}").mkdir()
-            (folder / WEIGHTS_NAME).write_bytes(os.urandom(int(args.object_mb * 1e6)))
-            folders.append(folder)
+        folders = random_objects(scratch, args.downloads, args.object_mb, "adapter")
         per_ms = loops_per_ms()
         with EmulatedStore(config) as store, \
                 multiprocessing.get_context("spawn").Pool(1) as child:

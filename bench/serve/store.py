@@ -285,6 +285,28 @@ class RemoteAdapters:
         self.store.close()
 
 
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """The emulated store's options, as every store benchmark takes them (`store_config` reads them back)."""
+    parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
+    parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
+    parser.add_argument("--shards", type=int, default=StoreConfig.shards)
+    parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+
+
+def store_config(args: argparse.Namespace) -> StoreConfig:
+    return StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+
+
+def random_objects(scratch: Path, count: int, object_mb: float, prefix: str = "object") -> list[Path]:
+    """`count` folders under `scratch`, each holding one weights file of `object_mb` random MB."""
+    folders = []
+    for i in range(count):
+        (folder := scratch / f"{prefix}-{i}").mkdir()
+        (folder / WEIGHTS_NAME).write_bytes(os.urandom(int(object_mb * 1e6)))
+        folders.append(folder)
+    return folders
+
+
 def describe(config: StoreConfig) -> dict:
     return {"kind": "moto's S3 server behind a first-byte-delay and bandwidth-cap proxy (bench/serve/store.py)",
             **asdict(config)}
@@ -323,26 +345,18 @@ def time_registrations(config: StoreConfig, count: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("role", nargs="?", default="demo", choices=["demo", "register"])
-    parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
-    parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
-    parser.add_argument("--shards", type=int, default=StoreConfig.shards)
-    parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    add_store_arguments(parser)
     parser.add_argument("--objects", type=int, default=8, help="demo: random objects of --object-mb to upload")
     parser.add_argument("--object-mb", type=float, default=83.9)
     parser.add_argument("--adapters", type=int, default=64, help="register: copies of the tiny demo's adapters")
     args = parser.parse_args(argv)
-    config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+    config = store_config(args)
     if args.role == "register":
         print(json.dumps({"store": describe(config), **time_registrations(config, args.adapters)}, indent=1))
         return
     scratch = Path(tempfile.mkdtemp(prefix="store-demo-"))
     try:
-        folders = []
-        for i in range(args.objects):
-            folder = scratch / f"object-{i}"
-            folder.mkdir()
-            (folder / WEIGHTS_NAME).write_bytes(os.urandom(int(args.object_mb * 1e6)))
-            folders.append(folder)
+        folders = random_objects(scratch, args.objects, args.object_mb)
         with EmulatedStore(config) as store:
             upload = store.upload(folders, [f.name for f in folders])
             floor = store.measure([f"{store.root}/{f.name}/{WEIGHTS_NAME}" for f in folders])

@@ -22,7 +22,7 @@ from pathlib import Path
 from unittest import mock
 
 from bench.common import RESULTS, write_result
-from bench.serve.store import EmulatedStore, StoreConfig, describe
+from bench.serve.store import EmulatedStore, add_store_arguments, describe, random_objects, store_config
 from bench.serve.store_proxy import WEIGHTS_NAME
 
 
@@ -49,22 +49,15 @@ def main(argv=None) -> Path:
     parser.add_argument("--after-s", type=float, default=0.3, help="when the waited-for download starts")
     parser.add_argument("--object-mb", type=float, default=83.9)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--latency-ms", type=float, default=StoreConfig.latency_ms)
-    parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
-    parser.add_argument("--shards", type=int, default=StoreConfig.shards)
-    parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    add_store_arguments(parser)
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    config = StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+    config = store_config(args)
     phases = {"alone": [], "urgent": [], "in order": []}
     per_round = args.ahead + 1
     scratch = Path(tempfile.mkdtemp(prefix="urgent-fetch-"))
     try:
-        folders = []
-        for i in range(per_round * args.repeats * 2):
-            (folder := scratch / f"object-{i}").mkdir()
-            (folder / WEIGHTS_NAME).write_bytes(os.urandom(int(args.object_mb * 1e6)))
-            folders.append(folder)
+        folders = random_objects(scratch, per_round * args.repeats * 2, args.object_mb, "object")
         with EmulatedStore(config) as store, mock.patch.dict(os.environ, store.env()):
             store.upload(folders, [f.name for f in folders])
             import s3fs

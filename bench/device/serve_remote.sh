@@ -2,10 +2,11 @@
 # Router hints with the adapters in a remote store, measured through Ray Serve (bench.serve.load --arms
 # --adapter-store s3, bench/serve/store.py): N (256) rank-16 Llama-3-8B-shape adapters of 83.9 MB in moto's S3
 # server, behind a proxy that delays each request's first byte by LATENCY_MS (100) and caps each connection at MBPS
-# (150) MB/s. DISTINCT (32) adapters are generated; the N objects in the store repeat their bytes. The store runs as
-# SHARDS (4) moto processes behind PROXIES (2) proxy processes, so that its throughput grows with connections as a
-# real store's does (one moto process delivered 253 MB/s over 8 connections on the H100's host, less than 6 req/s
-# of cold 84 MB adapters ask for); the floor in the result says what it delivered.
+# (150) MB/s. DISTINCT (32) adapters are generated; the N adapters' weights in the store are aliases of their bytes.
+# The store runs as SHARDS (4) moto processes, each holding the DISTINCT weights files, behind PROXIES (2) proxy
+# processes that spread one object's ranges over the shards, so that its throughput grows with connections as a
+# real store's does, on one object too (one moto process delivered 253 MB/s over 8 connections on the H100's host);
+# the floor in the result says what it delivered.
 # Each arm of ARMS (A A0 serve_default) is a fresh deployment of REPLICAS (1) replicas whose node cache starts empty,
 # NODE_CACHE adapters large (default: all N); no host cache is filled beforehand. The first two arms are the pair
 # compared; a third runs where time is left. One WORKLOAD (uniform; zipf: Zipf α 1.5; bursty-cv4) of REQUESTS (192)

@@ -4,15 +4,16 @@ adds a first-byte delay to every request and caps every connection's bandwidth, 
     python -m bench.serve.store --objects 8        # start it, upload 8 random 84 MB objects, print its figures
     python -m bench.serve.store register --adapters 64   # time the app registering 64 demo adapters from it
 
-A real object store's throughput grows with the connections a client opens, and one moto process's does not: it
-serves from one Python process (185-200 MB/s at 1, 4 and 8 connections on 2 CPU cores; 253 MB/s over 8
-connections on the H100's host). So the store runs as `shards` moto processes (StoreConfig), like a store
-partitioned by key: an adapter's weights live in one shard, chosen by its name (`shard_of`), and every smaller
-object (configs) in all of them, so that a listing or a config read on any shard sees every adapter. `proxies`
-proxy processes (bench/serve/store_proxy.py) share one port and send each request to the shard that holds its
-object. The app reads through the proxies (`env()`: AWS_ENDPOINT_URL and dummy keys); uploads go to the shards
-directly. The proxies run in processes of their own, so that the bytes they pace share no GIL with the benchmark's
-HTTP client.
+A real object store's throughput grows with the connections a client opens, even on one object, whose byte ranges
+each come at a connection's rate; one moto process's does not: it serves from one Python process (185-200 MB/s
+at 1, 4 and 8 connections on 2 CPU cores; 253 MB/s over 8 connections on the H100's host). So the store runs as
+`shards` moto processes (StoreConfig). Every shard holds the bytes of each distinct weights file once, under
+`sources/`; an adapter's weights key is an alias of its source, and the proxies send each ranged GET of it to the
+shard that its key and first byte hash to, so that one adapter's ranges are served by several processes at once.
+Every other object (configs) lives in shard 0, where listings go too. `proxies` proxy processes
+(bench/serve/store_proxy.py) share one port; they start once the upload has written the aliases. The app reads
+through the proxies (`env()`: AWS_ENDPOINT_URL and dummy keys); uploads go to the shards directly. The proxies
+run in processes of their own, so that the bytes they pace share no GIL with the benchmark's HTTP client.
 moto keeps each object in memory up to MOTO_S3_DEFAULT_KEY_BUFFER_SIZE and spills larger ones to temporary
 files; the shards here raise that bound to 1 GiB, so the objects stay in memory (the device's disk holds the
 base model and the node cache).
@@ -39,10 +40,11 @@ from unittest import mock
 
 import httpx
 
-from bench.serve.store_proxy import WEIGHTS_NAME, shard_of
+from bench.serve.store_proxy import WEIGHTS_NAME
 
 BUCKET = "bench-adapters"
 PREFIX = "adapters"
+SOURCES = "sources"  # where each shard holds the distinct weights files that adapters' weights keys alias
 REGION = "us-west-2"  # not us-east-1: s3fs names the region as a location constraint, which us-east-1 refuses
 KEY = "bench-key"  # moto accepts any key pair
 UPLOADS_AT_ONCE = 16
@@ -53,7 +55,7 @@ MOTO_BUFFER_BYTES = 1 << 30  # objects up to this stay in moto's memory instead 
 class StoreConfig:
     latency_ms: float = 100.0  # first-byte delay of every request
     mbps: float = 150.0  # per-connection bandwidth cap, MB/s (10^6 bytes)
-    shards: int = 4  # moto processes, each holding its share of the weights and every small object
+    shards: int = 4  # moto processes, each holding every distinct weights file; shard 0 also every small object
     proxies: int = 2  # proxy processes on the one port
 
     def __post_init__(self):
@@ -75,7 +77,8 @@ def _free_port() -> int:
 
 
 class EmulatedStore:
-    """The moto shards and the proxies as child processes; `close()` (or the `with` block's end) stops them."""
+    """The moto shards and the proxies as child processes; `close()` (or the `with` block's end) stops them. The
+    proxies start at the end of `upload`, which must come first."""
 
     def __init__(self, config: StoreConfig = StoreConfig()):
         self.config = config
@@ -85,21 +88,26 @@ class EmulatedStore:
         self._moto = [subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                        preexec_fn=_die_with_parent) for port in self.moto_ports]
-        proxy = [sys.executable, "-m", "bench.serve.store_proxy", "--port", str(self.proxy_port),
-                 "--upstream-ports", *map(str, self.moto_ports), "--latency-ms", str(config.latency_ms),
-                 "--mbps", str(config.mbps)]
-        self._proxies = [subprocess.Popen(proxy, cwd=Path(__file__).resolve().parents[2],
-                                          preexec_fn=_die_with_parent) for _ in range(config.proxies)]
+        self._proxies: list[subprocess.Popen] = []
+        self._scratch = tempfile.mkdtemp(prefix="store-proxy-")
         try:
             for process, port in zip(self._moto, self.moto_ports):
                 self._wait_for(process, f"http://127.0.0.1:{port}/moto-api/", "moto's server (is moto[server] "
                                "installed?)")
-            for process in self._proxies:  # each answers for itself only once the port has them all
-                self._wait_for(process, None, "the proxy")
         except BaseException:
             self.close()
             raise
         self.root = f"s3://{BUCKET}/{PREFIX}"
+
+    def _start_proxies(self, sources: dict[str, str]) -> None:
+        (aliases := Path(self._scratch) / "sources.json").write_text(json.dumps(sources))
+        proxy = [sys.executable, "-m", "bench.serve.store_proxy", "--port", str(self.proxy_port),
+                 "--upstream-ports", *map(str, self.moto_ports), "--sources", str(aliases),
+                 "--latency-ms", str(self.config.latency_ms), "--mbps", str(self.config.mbps)]
+        self._proxies = [subprocess.Popen(proxy, cwd=Path(__file__).resolve().parents[2],
+                                          preexec_fn=_die_with_parent) for _ in range(self.config.proxies)]
+        for process in self._proxies:  # each answers for itself only once the port has them all
+            self._wait_for(process, None, "the proxy")
 
     def _wait_for(self, process: subprocess.Popen, url: str | None, what: str, timeout_s: float = 60.0) -> None:
         """Until `url` answers (None: until the proxy port accepts a connection), or the process exits."""
@@ -132,47 +140,56 @@ class EmulatedStore:
                                  client_kwargs={"region_name": REGION}, skip_instance_cache=True)
 
     def upload(self, folders: list[Path], names: list[str]) -> dict:
-        """Adapter folder i as `names[i]` under the root, each file into the shards that hold it (`shard_of`): a
-        file's first copy in a shard is uploaded there directly, UPLOADS_AT_ONCE files at once per shard, and a
-        folder that appears again is copied inside the shard where its first copy is (its name differs, its bytes
-        repeat). The shards are filled at once."""
+        """Adapter folder i as `names[i]` under the root, then start the proxies. Folders may repeat. Each distinct
+        weights file is uploaded to every shard once, under SOURCES, and the adapters' weights keys are aliases of
+        it (their names differ, their bytes repeat); every other file goes to shard 0, uploaded where its folder
+        first appears and copied inside the shard where it repeats. UPLOADS_AT_ONCE files at once per shard, the
+        shards at once."""
+        if self._proxies:
+            raise RuntimeError("the store's adapters are uploaded once")
         started, shards = time.perf_counter(), range(self.config.shards)
-        puts = {shard: ([], []) for shard in shards}
-        copies = {shard: ([], []) for shard in shards}
-        first: dict[tuple[Path, int], str] = {}  # (local file, shard) -> its first key there
+        distinct = list(dict.fromkeys(folders))
+        sources = {f"{BUCKET}/{PREFIX}/{name}/{WEIGHTS_NAME}": f"{BUCKET}/{SOURCES}/{distinct.index(folder)}/"
+                   f"{WEIGHTS_NAME}" for folder, name in zip(folders, names) if (folder / WEIGHTS_NAME).is_file()}
+        weights = [[str(folder / WEIGHTS_NAME) for folder in distinct if (folder / WEIGHTS_NAME).is_file()],
+                   [f"{BUCKET}/{SOURCES}/{i}/{WEIGHTS_NAME}" for i, folder in enumerate(distinct)
+                    if (folder / WEIGHTS_NAME).is_file()]]
+        puts, copies = ([], []), ([], [])
+        first: dict[Path, str] = {}  # local file -> its first key in shard 0
         for folder, name in zip(folders, names):
-            for file in sorted(f for f in folder.iterdir() if f.is_file()):
+            for file in sorted(f for f in folder.iterdir() if f.is_file() and f.name != WEIGHTS_NAME):
                 key = f"{BUCKET}/{PREFIX}/{name}/{file.name}"
-                held_by = shard_of(key, self.config.shards)
-                for shard in shards if held_by is None else [held_by]:
-                    source = first.setdefault((file, shard), key)
-                    pairs = puts[shard] if source == key else copies[shard]
-                    pairs[0].append(str(file) if source == key else source)
-                    pairs[1].append(key)
+                source = first.setdefault(file, key)
+                pairs = puts if source == key else copies
+                pairs[0].append(str(file) if source == key else source)
+                pairs[1].append(key)
 
         def fill(shard: int) -> None:
             fs = self.filesystem(direct=True, shard=shard)
             if not fs.exists(BUCKET):
                 fs.mkdir(BUCKET)
-            if puts[shard][0]:
-                fs.put(*puts[shard], batch_size=UPLOADS_AT_ONCE)
-            if copies[shard][0]:
-                fs.copy(*copies[shard], batch_size=UPLOADS_AT_ONCE)
+            if weights[0]:
+                fs.put(*weights, batch_size=UPLOADS_AT_ONCE)
+            if shard == 0 and puts[0]:
+                fs.put(*puts, batch_size=UPLOADS_AT_ONCE)
+            if shard == 0 and copies[0]:
+                fs.copy(*copies, batch_size=UPLOADS_AT_ONCE)
 
         with ThreadPoolExecutor(self.config.shards) as pool:
             list(pool.map(fill, shards))
-        sizes = [os.path.getsize(p) for shard in shards for p in puts[shard][0]]
+        self._start_proxies(sources)
+        sizes = [os.path.getsize(p) for p in [*weights[0] * self.config.shards, *puts[0]]]
         elapsed = time.perf_counter() - started
-        return {"adapters": len(names), "distinct": len(set(folders)), "shards": self.config.shards,
+        return {"adapters": len(names), "distinct": len(distinct), "shards": self.config.shards,
                 "uploaded_objects": len(sizes), "uploaded_bytes": sum(sizes),
-                "upload_mb_per_s": sum(sizes) / elapsed / 1e6,
-                "copied_in_store": sum(len(copies[shard][0]) for shard in shards), "total_s": elapsed}
+                "upload_mb_per_s": sum(sizes) / elapsed / 1e6, "copied_in_store": len(copies[0]),
+                "aliases": len(sources), "total_s": elapsed}
 
     def measure(self, uris: list[str], repeats: int = 5, connections: int = 8) -> dict:
         """The store's figures as a client through the proxies sees them (the floor under any fetch), on the
         first of `uris`: time to first byte of a 1 KiB ranged GET (median over `repeats`, on a warm connection);
         one GET of the whole object on one connection; the app's own download of it (RemoteStore.download) alone.
-        Over all of `uris` (objects in several shards): `connections` ranged GETs of the app's part size at once,
+        Over all of `uris`: `connections` ranged GETs of the app's part size at once,
         twice over, one object after another (what the shards and the proxies deliver together)."""
         from app.adapters.remote import PART_BYTES
 
@@ -223,6 +240,7 @@ class EmulatedStore:
                 s3fs.S3FileSystem.clear_instance_cache()
 
     def close(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
         for process in [*self._proxies, *self._moto]:
             if process.poll() is None:
                 process.terminate()
@@ -309,6 +327,7 @@ def random_objects(scratch: Path, count: int, object_mb: float, prefix: str = "o
 
 def describe(config: StoreConfig) -> dict:
     return {"kind": "moto's S3 server behind a first-byte-delay and bandwidth-cap proxy (bench/serve/store.py)",
+            "layout": "every shard holds each distinct weights file; one object's ranges spread over the shards",
             **asdict(config)}
 
 

@@ -1,7 +1,7 @@
 """The serve bench's emulated remote store without Ray: moto's S3 server behind the proxy delays each response's
-first byte and caps each connection's bandwidth as configured, an adapter's weights live in one shard and every
-other object in all of them, the proxies route each request to its object's shard, the bench's adapters upload
-to it, and a run's node cache counters add up over replicas."""
+first byte and caps each connection's bandwidth as configured, every shard holds each distinct weights file that
+the adapters' weights keys alias, the proxies spread one object's ranges over the shards, the bench's adapters
+upload to it, and a run's node cache counters add up over replicas."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from bench.adapter_pool import CONFIG_NAME, WEIGHTS_NAME
 from bench.serve.arms import NODE_CACHE_COUNTERS, hinted_hit_rate, remote_delta, remote_summary
-from bench.serve.store import EmulatedStore, RemoteAdapters, StoreConfig
-from bench.serve.store_proxy import route, shard_of
+from bench.serve.store import BUCKET, SOURCES, EmulatedStore, RemoteAdapters, StoreConfig
+from bench.serve.store_proxy import route
 
 pytest.importorskip("moto.server")
 
@@ -55,9 +55,9 @@ def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, monkeypatch)
     remote = RemoteAdapters(StoreConfig(0.0, 1000.0, shards=2, proxies=2), [first, second, first],
                             ["x-0", "x-1", "x-2"], cache_adapters=None, cache_root=str(tmp_path))
     try:
-        # each adapter's config in both shards, its weights in one: 9 objects, each uploaded or copied once
-        assert remote.upload["distinct"] == 2
-        assert remote.upload["uploaded_objects"] + remote.upload["copied_in_store"] == 3 * (2 + 1)
+        # the two distinct weights files in both shards, the three configs in shard 0 (one a copy), three aliases
+        assert remote.upload["distinct"] == 2 and remote.upload["aliases"] == 3
+        assert remote.upload["uploaded_objects"] == 2 * 2 + 2 and remote.upload["copied_in_store"] == 1
         assert os.environ["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{remote.store.proxy_port}"
         through_proxy = remote.store.filesystem(direct=False)
         root = remote.root.removeprefix("s3://")
@@ -75,28 +75,35 @@ def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, monkeypatch)
     assert not os.path.exists(again)
 
 
-def test_weights_live_in_one_shard_and_requests_find_them(tmp_path):
-    folders = [tiny_adapter(tmp_path / f"a{i}", i) for i in range(6)]
-    names = [f"adapter-{i}" for i in range(6)]
-    shards = {shard_of(f"b/p/{name}/{WEIGHTS_NAME}", 3) for name in names}
-    assert len(shards) > 1 and shard_of(f"b/p/{names[0]}/{CONFIG_NAME}", 3) is None
-    assert route(f"GET /b/p/{names[0]}/{WEIGHTS_NAME}?x=1 HTTP/1.1\r\nHost: h\r\n".encode(), 3) == \
-        shard_of(f"b/p/{names[0]}/{WEIGHTS_NAME}", 3)
-    assert route(b"GET /b?list-type=2&prefix=p%2F HTTP/1.1\r\n", 3) == 0 and route(b"garbage", 3) == 0
+def test_one_objects_ranges_go_to_several_shards_and_read_its_bytes(tmp_path):
+    key, source = f"b/p/a-0/{WEIGHTS_NAME}", f"b/{SOURCES}/0/{WEIGHTS_NAME}"
+    head = f"GET /{key}?x=1 HTTP/1.1\r\nHost: h\r\nRange: bytes={{}}-{{}}\r\n\r\n"
+    routes = [route(head.format(start, start + 99).encode(), {key: source}, 4) for start in range(0, 6400, 100)]
+    assert len({shard for shard, _ in routes}) == 4
+    assert all(sent.startswith(f"GET /{source}?x=1 HTTP/1.1\r\n".encode()) and sent.endswith(b"\r\n\r\n")
+               for _, sent in routes)
+    listing = b"GET /b?list-type=2&prefix=p%2F HTTP/1.1\r\n\r\n"
+    assert route(listing, {key: source}, 4) == (0, listing) and route(b"garbage", {}, 4) == (0, b"garbage")
+
+    folders = [tiny_adapter(tmp_path / f"a{i}", i) for i in range(3)]
+    folders[2] = folders[0]  # repeats its bytes under another name
+    names = [f"adapter-{i}" for i in range(3)]
     with EmulatedStore(StoreConfig(0.0, 1000.0, shards=3, proxies=2)) as store:
         store.upload(folders, names)
         root = store.root.removeprefix("s3://")
         for shard in range(3):
             direct = store.filesystem(direct=True, shard=shard)
-            assert sorted(p.rsplit("/", 1)[1] for p in direct.ls(root)) == names  # every config everywhere
-            held = {name for name in names if direct.exists(f"{root}/{name}/{WEIGHTS_NAME}")}
-            assert held == {name for name in names if shard_of(f"{root}/{name}/{WEIGHTS_NAME}", 3) == shard}
+            assert len(direct.ls(f"{BUCKET}/{SOURCES}")) == 2  # the distinct weights, in every shard
+            assert not direct.exists(f"{root}/{names[0]}/{WEIGHTS_NAME}")  # only an alias
         through_proxies = store.filesystem(direct=False)
+        assert sorted(p.rsplit("/", 1)[1] for p in through_proxies.ls(root)) == names
         for folder, name in zip(folders, names):
-            for file in (CONFIG_NAME, WEIGHTS_NAME):
-                assert through_proxies.cat_file(f"{root}/{name}/{file}") == (folder / file).read_bytes()
-            size = through_proxies.info(f"{root}/{name}/{WEIGHTS_NAME}")["size"]
-            assert size == (folder / WEIGHTS_NAME).stat().st_size
+            weights = (folder / WEIGHTS_NAME).read_bytes()
+            assert through_proxies.cat_file(f"{root}/{name}/{CONFIG_NAME}") == (folder / CONFIG_NAME).read_bytes()
+            assert through_proxies.cat_file(f"{root}/{name}/{WEIGHTS_NAME}") == weights
+            assert all(through_proxies.cat_file(f"{root}/{name}/{WEIGHTS_NAME}", start=i, end=i + 7) ==
+                       weights[i:i + 7] for i in range(0, len(weights) - 7, 7))
+            assert through_proxies.info(f"{root}/{name}/{WEIGHTS_NAME}")["size"] == len(weights)
 
 
 def test_a_remote_registration_waits_about_one_round_trip(tmp_path, monkeypatch, demo_dir):

@@ -79,9 +79,10 @@ NOTES = [
 REMOTE_NOTES = [
     "adapter_store: the adapters lay in moto's S3 server, `shards` processes of it (each holding every distinct "
     "weights file, which the adapters' weights keys alias; configs in the first), behind `proxies` proxy processes "
-    "that spread one object's ranges over the shards, delay each request's first response byte by latency_ms and cap each connection at mbps (bench/serve/store.py); floor holds what a "
-    "client measured through it in the same run (ttfb_ms_p50 of a 1 KiB ranged GET, single_connection_mb_per_s of "
-    "one GET of a whole adapter, parallel_mb_per_s of `connections` ranged GETs at once over parallel_objects "
+    "that spread one object's ranges over the shards, delay each request's first response byte by latency_ms and "
+    "cap each connection at mbps (bench/serve/store.py); floor holds what a client measured through it in the "
+    "same run (ttfb_ms_p50 of a 1 KiB ranged GET, single_connection_mb_per_s of one GET of a whole adapter, "
+    "parallel_mb_per_s of `connections` ranged GETs at once over parallel_objects "
     "adapters, app_download_s of one adapter fetched as a replica fetches it). Each arm started with an empty "
     "node cache of node_cache_bytes, and no host cache was filled before the runs.",
     "remote: the node cache's counters over the run, summed over the replicas (each counts what its own process "

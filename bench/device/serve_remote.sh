@@ -23,11 +23,12 @@
 # Wheels: WHEELS (.whl-serve) must hold moto's S3 server and s3fs besides Ray, or STORE_WHEELS names a second
 # wheelhouse that does (both in the call's carry; `bash bench/device/store_wheels.sh demo/whl-store` builds one);
 # the call stops at once where a 1 MB round trip through the emulated store fails.
-# Phases on the H100's host: wheels and the store check ~40 s; the 16 GB base ~20 s to write; the upload 38-51 s
-# for 257 adapters (the 32 distinct ones, the rest copies inside the store); then 112-125 s to deploy the first arm
+# Phases on the H100's host: wheels and the store check ~40 s; the 16 GB base ~20-25 s to write; the upload 38-53 s
+# (the DISTINCT weights files into every shard, 257 configs; 85 s with SHARDS=8); then 112-125 s to deploy the first arm
 # (the base read from a cold page cache, CUDA graphs, each replica registering the N remote adapters) and 65-72 s
 # each later one, and 35-70 s to play the trace. One call fits A and A0 at 1 replica and 192 requests
-# (BUDGET_S=548: 494 s), all three arms at 1 replica, 128 requests and RATE=3.5 (BUDGET_S=560: 542 s), or all three
+# (BUDGET_S=548: 494 s), all three arms at 1 replica, 128 requests and RATE=3.5 (BUDGET_S=560: 542 s) or 160
+# requests and RATE=5 (523 s; bursty-cv4's pair fitted only on a machine that had run a call before), or all three
 # arms at 2 replicas and 160 requests (478 s). The bench checks before its first
 # run that both arms of the pair fit BUDGET_S (520, from the call's start), and starts no run that would end past
 # it. The call ends by 560 s.

@@ -71,6 +71,9 @@ NOTES = [
     "adapter_wait_s_mean they split a request's time at its replica (the rest of its E2E is the router and HTTP).",
     "The router's placement outcomes (affinity / spread / cold / ...) go to Prometheus only "
     "(lora_router_placements) and are not recorded here.",
+    "host_cpu: the host over the trace's playing, from /proc: busy_cores_mean of its cores, and processes_cpu_s, "
+    "the CPU seconds of the emulated store's processes (none with local adapters), which a real store would not "
+    "put on the serving node.",
     "per_replica.step_timing: each replica's engine steps over the run's last 512 of each kind, split into the "
     "host's time before and after the GPU's (app/engine/step_timing.py): work that competes with the engine for "
     "the host (fetches, reads) shows there.",

@@ -18,6 +18,7 @@ import math
 import pickle
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import httpx
@@ -38,6 +39,7 @@ from bench.engine.hints import max_rank_adapter_bytes
 from bench.serve.arms import (NOTES, REMOTE_NOTES, SERVE_ARMS, RequestResult, remote_delta, remote_line,
                               request_bodies, sum_deltas, summarize)
 from bench.serve.cluster import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
+from bench.serve.host_cpu import CpuWindow
 from bench.workloads import SEQUENTIAL_ADAPTERS, WORKLOADS, make
 from deploy.state import find_router_state
 
@@ -146,15 +148,18 @@ async def play(url: str, arrivals, bodies: list[dict]) -> tuple[list[RequestResu
 
 
 def run_one(args, url: str, actors: dict, workload: str, n: int, count: int, names: list[str], adapter_dir,
-            model_id: str, vocab) -> tuple[dict, dict]:
-    """One workload's trace on a deployed arm: (its summary, the replicas' engine snapshots before it)."""
+            model_id: str, vocab, store_pids: Sequence[int] = ()) -> tuple[dict, dict]:
+    """One workload's trace on a deployed arm: (its summary, the replicas' engine snapshots before it).
+    store_pids: the emulated store's processes, whose CPU time the summary's host_cpu counts apart."""
     arrivals = make(workload, n, count, args.rate, args.seed, args.lengths, args.length_scale, args.capacity,
                     args.rotate_s)
     bodies = request_bodies(arrivals, names, model_id, vocab, args.seed)
     if args.cold_disk:
         drop_page_cache(adapter_dir, names[:n])  # local adapters only (load.py refuses it with s3)
     before, pushed = wait_idle(actors), hints_pushed()
+    cpu = CpuWindow(store_pids)
     results, samples = asyncio.run(play(url, arrivals, bodies))
+    host_cpu = cpu.read()
     after = wait_idle(actors)
     deltas = {uid: metrics_delta(before[uid], after[uid]) for uid in before if uid in after}
     if args.adapter_store != "local":
@@ -169,7 +174,8 @@ def run_one(args, url: str, actors: dict, workload: str, n: int, count: int, nam
     total = sum_deltas(list(deltas.values()))
     if "remote" in total:  # what a cold node cache must fetch at least, for the extra downloads beyond it
         total["remote"]["adapters_requested"] = len({a.adapter for a in arrivals if a.adapter is not None})
-    return summarize(results, total, per_replica, hints_pushed() - pushed, samples), before
+    summary = summarize(results, total, per_replica, hints_pushed() - pushed, samples)
+    return {**summary, "host_cpu": host_cpu}, before
 
 
 # --- the arms --------------------------------------------------------------------------------------------
@@ -251,7 +257,8 @@ class Claim:
                 continue
             t1 = time.perf_counter()
             summary, before = run_one(args, url, actors, workload, n, requests, self.names, self.adapter_dir,
-                                      self.app.served_model_id, self.vocab)
+                                      self.app.served_model_id, self.vocab,
+                                      self.remote.store.pids() if self.remote else ())
             self.results[workload][arm_name] = summary
             self.pools[workload][arm_name] = pool_info(before, self.unit)
             if i == 0:
@@ -334,4 +341,11 @@ def print_run(arm: str, workload: str, n: int, s: dict) -> None:
           f"{ms(s['ttft_s']['p99'])} ms, {s['request_throughput_per_s']:.2f} req/s, hit rate {rate}, stall "
           f"{1e3 * s['stall_s_per_request']:.1f} ms/req, waiting in router {'n/a' if wait is None else f'{wait:.1f}'}"
           f" (mean), hints to replicas {s['hints_received']}, E2E p50/p99 {ms(s['e2e_s']['p50'])}/"
-          f"{ms(s['e2e_s']['p99'])} ms{remote_line(s)}", flush=True)
+          f"{ms(s['e2e_s']['p99'])} ms{remote_line(s)}{cpu_line(s.get('host_cpu'))}", flush=True)
+
+
+def cpu_line(cpu: dict | None) -> str:
+    if cpu is None:
+        return ""
+    store = f", the store's processes {cpu['processes_cpu_s']:.0f} CPU s" if cpu["processes"] else ""
+    return f"; host {cpu['busy_cores_mean']:.1f} of {cpu['cores']} cores busy{store}"

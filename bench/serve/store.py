@@ -125,6 +125,10 @@ class EmulatedStore:
                 time.sleep(0.2)
         raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
 
+    def pids(self) -> list[int]:
+        """The store's processes: its moto shards and its proxies."""
+        return [process.pid for process in [*self._moto, *self._proxies]]
+
     def env(self) -> dict[str, str]:
         """What a client of the emulated store needs: the proxy's endpoint, dummy keys, a region."""
         return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy_port}", "AWS_ACCESS_KEY_ID": KEY,

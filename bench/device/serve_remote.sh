@@ -6,7 +6,9 @@
 # The store runs as SHARDS (4) moto processes, each holding the DISTINCT weights files, behind PROXIES (2) proxy
 # processes that spread one object's ranges over the shards, so that its throughput grows with connections as a
 # real store's does, on one object too (one moto process delivered 253 MB/s over 8 connections on the H100's host);
-# the floor in the result says what it delivered.
+# the floor in the result says what it delivered. STORE_CORES (0: any core) puts the store's processes alone on
+# that many of the host's cores, and Ray, the replicas and the benchmark's client on the others, as a store
+# elsewhere would leave the node's CPU to the server.
 # Each arm of ARMS (A A0 serve_default) is a fresh deployment of REPLICAS (1) replicas whose node cache starts empty,
 # NODE_CACHE adapters large (default: all N); no host cache is filled beforehand. The first two arms are the pair
 # compared; a third runs where time is left. One WORKLOAD (uniform; zipf: Zipf α 1.5; bursty-cv4) of REQUESTS (192)
@@ -47,7 +49,8 @@ APP="{\"kv_cache_bytes\": $(( ${KV_GIB:-12} << 30 )), \"compile_decode\": false,
      \"hint_depth\": ${HINT_DEPTH:-48}}"
 ARGS=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas "${REPLICAS:-1}"
       --workload "${WORKLOAD:-uniform}@$N" --adapter-store s3 --store-latency-ms "${LATENCY_MS:-100}"
-      --store-mbps "${MBPS:-150}" --store-shards "${SHARDS:-4}" --store-proxies "${PROXIES:-2}"
+      --store-mbps "${MBPS:-150}" --store-shards "${SHARDS:-4}" --store-proxies "${PROXIES:-2}" \
+      --store-cores "${STORE_CORES:-0}"
       --store-distinct "${DISTINCT:-32}" --capacity "${CAPACITY:-16}"
       --host-cache-adapters "${HOST_CACHE:-48}" --batch 32 --max-ongoing "${MAX_ONGOING:-8}" --rate "${RATE:-6}"
       --num-requests "${REQUESTS:-192}" --length-scale "${LENGTH_SCALE:-0.25}" --rotate-s 2 --app-args "$APP")

@@ -208,7 +208,7 @@ class Claim:
             folders = [self.adapter_dir / self.names[i % distinct] for i in range(count)]
             self.names = [adapter_name(i) for i in range(count)]
             self.remote = RemoteAdapters(StoreConfig(args.store_latency_ms, args.store_mbps, args.store_shards,
-                                                     args.store_proxies), folders, self.names,
+                                                     args.store_proxies, args.store_cores), folders, self.names,
                                          args.node_cache_adapters, args.node_cache_root)
             self.adapter_root = self.remote.root
             print(f"adapter store: {self.remote.upload}\n  floor: {self.remote.floor}", flush=True)

@@ -151,7 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "node cache, empty at each arm's start")
     claim.add_argument("--store-latency-ms", type=float, default=100.0, help="s3: first-byte delay of each request")
     claim.add_argument("--store-mbps", type=float, default=150.0, help="s3: bandwidth cap of each connection, MB/s")
-    claim.add_argument("--store-shards", type=int, default=4, help="s3: moto processes the weights are spread over")
+    claim.add_argument("--store-shards", type=int, default=4, help="s3: moto processes, each holding every "
+                       "distinct weights file")
+    claim.add_argument("--store-cores", type=int, default=0, help="s3: host cores the store's processes run on "
+                       "alone, the last of this process's; the cluster runs on the others (0: any core)")
     claim.add_argument("--store-proxies", type=int, default=2, help="s3: proxy processes on the store's one port")
     claim.add_argument("--store-distinct", type=int, help="s3: adapters generated, their bytes repeated over the N "
                        "names in the store (default: N)")

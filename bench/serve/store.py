@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,17 +58,34 @@ class StoreConfig:
     mbps: float = 150.0  # per-connection bandwidth cap, MB/s (10^6 bytes)
     shards: int = 4  # moto processes, each holding every distinct weights file; shard 0 also every small object
     proxies: int = 2  # proxy processes on the one port
+    cores: int = 0  # host cores the store's processes run on alone (the last of this process's); 0: any core
 
     def __post_init__(self):
         if self.latency_ms < 0 or self.mbps <= 0:
             raise ValueError(f"latency_ms ({self.latency_ms}) must be >= 0 and mbps ({self.mbps}) > 0")
         if self.shards < 1 or self.proxies < 1:
             raise ValueError(f"shards ({self.shards}) and proxies ({self.proxies}) must be >= 1")
+        if not 0 <= self.cores < len(os.sched_getaffinity(0)):
+            raise ValueError(f"cores ({self.cores}) must leave at least one of this process's "
+                             f"{len(os.sched_getaffinity(0))} cores to the rest")
+
+    def core_split(self) -> tuple[set[int], set[int]]:
+        """(the store's cores, everything else's): the last `cores` of this process's, and the others; both all
+        of them when `cores` is 0."""
+        mine = sorted(os.sched_getaffinity(0))
+        if not self.cores:
+            return set(mine), set(mine)
+        return set(mine[-self.cores:]), set(mine[:-self.cores])
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: get SIGTERM when the benchmark's process ends, however it ends (Linux)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+def _child_setup(cores: set[int]) -> Callable[[], None]:
+    """What a child runs before exec: get SIGTERM when the benchmark's process ends, however it ends, and run on
+    `cores` only (Linux)."""
+    def setup() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        os.sched_setaffinity(0, cores)
+
+    return setup
 
 
 def _free_port() -> int:
@@ -82,12 +100,13 @@ class EmulatedStore:
 
     def __init__(self, config: StoreConfig = StoreConfig()):
         self.config = config
+        self.cores, self.other_cores = config.core_split()
         self.moto_ports = [_free_port() for _ in range(config.shards)]
         self.proxy_port = _free_port()
         env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(MOTO_BUFFER_BYTES)}
         self._moto = [subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       preexec_fn=_die_with_parent) for port in self.moto_ports]
+                                       preexec_fn=_child_setup(self.cores)) for port in self.moto_ports]
         self._proxies: list[subprocess.Popen] = []
         self._scratch = tempfile.mkdtemp(prefix="store-proxy-")
         try:
@@ -105,7 +124,7 @@ class EmulatedStore:
                  "--upstream-ports", *map(str, self.moto_ports), "--sources", str(aliases),
                  "--latency-ms", str(self.config.latency_ms), "--mbps", str(self.config.mbps)]
         self._proxies = [subprocess.Popen(proxy, cwd=Path(__file__).resolve().parents[2],
-                                          preexec_fn=_die_with_parent) for _ in range(self.config.proxies)]
+                                          preexec_fn=_child_setup(self.cores)) for _ in range(self.config.proxies)]
         for process in self._proxies:  # each answers for itself only once the port has them all
             self._wait_for(process, None, "the proxy")
 
@@ -261,18 +280,26 @@ class EmulatedStore:
         self.close()
 
 
+def _run_on(cores: set[int]) -> None:
+    """Every thread of this process on `cores` only (a thread's affinity is its own; new ones inherit it)."""
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), cores)
+
+
 class RemoteAdapters:
     """The claim bench's adapters in an emulated store, and a fresh, empty node cache for each arm.
 
     Uploads `folders[i]` as `names[i]` (folders may repeat: the store holds len(names) distinct objects whose
-    bytes may repeat), sets this process's environment to the store's before Ray starts (so that every Ray worker
-    inherits it), and measures the store's floor on the first adapter."""
+    bytes may repeat), sets this process's environment to the store's and moves it off the store's cores
+    (`StoreConfig.cores`) before Ray starts (so that every Ray worker inherits both), and measures the store's
+    floor on the first adapter."""
 
     def __init__(self, config: StoreConfig, folders: list[Path], names: list[str], cache_adapters: float | None,
                  cache_root: str | None = None):
         self.config, self.store = config, EmulatedStore(config)
         try:
             os.environ.update(self.store.env())
+            _run_on(self.store.other_cores)
             self.upload = self.store.upload(folders, names)
             weights = max((f for f in folders[0].iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
             self.floor = self.store.measure([f"{self.store.root}/{name}/{weights.name}" for name in names[:8]])
@@ -313,10 +340,12 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbps", type=float, default=StoreConfig.mbps)
     parser.add_argument("--shards", type=int, default=StoreConfig.shards)
     parser.add_argument("--proxies", type=int, default=StoreConfig.proxies)
+    parser.add_argument("--cores", type=int, default=StoreConfig.cores,
+                        help="host cores the store runs on alone, the last of this process's (0: any)")
 
 
 def store_config(args: argparse.Namespace) -> StoreConfig:
-    return StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies)
+    return StoreConfig(args.latency_ms, args.mbps, args.shards, args.proxies, args.cores)
 
 
 def random_objects(scratch: Path, count: int, object_mb: float, prefix: str = "object") -> list[Path]:

@@ -178,3 +178,17 @@ def test_urgent_fetch_times_the_waited_download_each_way(tmp_path):
     waited = json.loads(path.read_text())["waited_download"]
     assert sorted(waited) == ["alone", "in order", "urgent"]
     assert all(len(w["runs_s"]) == (2 if name == "alone" else 1) and w["median_s"] > 0 for name, w in waited.items())
+
+
+def test_the_store_runs_on_its_own_cores(tmp_path):
+    mine = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="at least one"):
+        StoreConfig(cores=len(mine))
+    if len(mine) < 2:
+        pytest.skip("one core: nothing to split")
+    with EmulatedStore(StoreConfig(0.0, 1000.0, shards=1, proxies=1, cores=1)) as store:
+        store.upload([tiny_adapter(tmp_path / "a", 0)], ["a"])
+        assert store.cores == {mine[-1]} and store.other_cores == set(mine[:-1])
+        assert all(os.sched_getaffinity(pid) == {mine[-1]} for pid in store.pids())
+        assert store.filesystem(direct=False).cat_file(f"{store.root.removeprefix('s3://')}/a/{CONFIG_NAME}")
+    assert os.sched_getaffinity(0) == set(mine)  # the store alone moves nothing else

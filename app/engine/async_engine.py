@@ -101,6 +101,7 @@ class AsyncEngine(EngineStreams):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._awaiting_first: set[str] = set()  # engine thread only: requests added, no output delivered yet
+        self._stepped_at: float | None = None  # engine thread only: when the last step ended, requests remaining
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -200,11 +201,15 @@ class AsyncEngine(EngineStreams):
             self._deliver(output)
 
     def _step(self) -> None:
+        started = time.perf_counter()
+        if self._stepped_at is not None:  # requests have been in the engine since the last step ended
+            self.engine.timing.between(started - self._stepped_at)
         try:
             outputs = self.engine.step()
         except Exception as e:  # a bug or device fault: fail what is in flight, keep serving
             log.exception("engine step failed")
             outputs = self._fail_all(e)
+        self._stepped_at = time.perf_counter() if self.engine.has_requests() else None
         self._deliver_all(outputs)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:

@@ -144,8 +144,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Admit, schedule, run, sample, stream."""
         self.steps += 1
+        started = time.perf_counter()
         outputs = self._admit()
-        scheduled_at = time.perf_counter()
+        scheduled_at = admitted_at = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty and self.waiting:
             outputs += self._stall()
@@ -163,8 +164,8 @@ class LLMEngine:
                                                 logits[len(sampled):])
         synced_at = time.perf_counter()
         outputs += self._stream(sampled, choices, echo, prompt_logprobs)
-        self.timing.observe(launched_at - scheduled_at, synced_at - launched_at, time.perf_counter() - synced_at,
-                            plan.is_decode_only)
+        self.timing.observe(admitted_at - started, launched_at - scheduled_at, synced_at - launched_at,
+                            time.perf_counter() - synced_at, plan.is_decode_only, len(sampled))
         return outputs
 
     def _admit(self) -> list[RequestOutput]:

@@ -3,7 +3,14 @@
 Each step ends with one device->host copy of the sampled tokens, so the GPU idles while the host
 schedules, prepares and launches the next step, and while it turns the tokens into outputs
 (detokenizing, stop strings). `before_ms + after_ms` per step is therefore the time the host makes
-the GPU wait; `wait_ms` is the host waiting on the GPU (the step's device time, roughly).
+the GPU wait; `wait_ms` is the host waiting on the GPU (the step's device time, roughly). Two more
+parts of the engine thread's time keep the GPU idle too: `admit_ms`, a step's start before it
+schedules (finished loads, prefetches and fetches ahead for what is wanted next), and `between_ms`,
+the thread's time from one step's end to the next one's start while requests are in the engine
+(delivering outputs, commands such as hints and new requests).
+
+The percentiles cover the last WINDOW steps of each kind; `totals` count every step since the start,
+so that a bench can take their difference over a run.
 """
 
 from __future__ import annotations
@@ -22,18 +29,38 @@ def _percentile(values: list[float], q: float) -> float:
 
 class StepTiming:
     def __init__(self, window: int = WINDOW):
-        self.decode: deque[tuple[float, float, float]] = deque(maxlen=window)  # (before, wait, after) seconds
-        self.mixed: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # (admit, before, wait, after) seconds of each recent step
+        self.decode: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.mixed: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.gaps: deque[float] = deque(maxlen=window)
+        self.totals = {kind: {"steps": 0, "seconds": 0.0, "host_seconds": 0.0, "rows": 0}
+                       for kind in ("decode", "mixed")}
+        self.totals["between"] = {"gaps": 0, "seconds": 0.0}
 
-    def observe(self, before_s: float, wait_s: float, after_s: float, decode_only: bool) -> None:
-        (self.decode if decode_only else self.mixed).append((before_s, wait_s, after_s))
+    def observe(self, admit_s: float, before_s: float, wait_s: float, after_s: float, decode_only: bool,
+                rows: int) -> None:
+        """One step: its parts' seconds, and `rows`, the requests it sampled a token for."""
+        kind = "decode" if decode_only else "mixed"
+        (self.decode if decode_only else self.mixed).append((admit_s, before_s, wait_s, after_s))
+        totals = self.totals[kind]
+        totals["steps"] += 1
+        totals["seconds"] += admit_s + before_s + wait_s + after_s
+        totals["host_seconds"] += admit_s + before_s + after_s
+        totals["rows"] += rows
+
+    def between(self, seconds: float) -> None:
+        """The engine thread's time from one step's end to the next one's start, requests waiting throughout."""
+        self.gaps.append(seconds)
+        self.totals["between"]["gaps"] += 1
+        self.totals["between"]["seconds"] += seconds
 
     def summary(self) -> dict:
         out = {}
         for name, samples in (("decode", self.decode), ("mixed", self.mixed)):
-            before = [s[0] * 1e3 for s in samples]
-            wait = [s[1] * 1e3 for s in samples]
-            after = [s[2] * 1e3 for s in samples]
+            admit = [s[0] * 1e3 for s in samples]
+            before = [s[1] * 1e3 for s in samples]
+            wait = [s[2] * 1e3 for s in samples]
+            after = [s[3] * 1e3 for s in samples]
             host = [b + a for b, a in zip(before, after)]
             total = [h + w for h, w in zip(host, wait)]
             out[name] = {
@@ -45,5 +72,11 @@ class StepTiming:
                 "gpu_wait_ms_p50": round(_percentile(wait, 0.5), 3),
                 "after_sync_ms_p50": round(_percentile(after, 0.5), 3),
                 "host_share": round(sum(host) / sum(total), 3) if total and sum(total) > 0 else 0.0,
+                "admit_ms_p50": round(_percentile(admit, 0.5), 3),
+                "admit_ms_p99": round(_percentile(admit, 0.99), 3),
             }
+        gaps = [g * 1e3 for g in self.gaps]
+        out["between"] = {"gaps": len(gaps), "ms_p50": round(_percentile(gaps, 0.5), 3),
+                          "ms_p99": round(_percentile(gaps, 0.99), 3)}
+        out["totals"] = {kind: dict(values) for kind, values in self.totals.items()}
         return out

@@ -74,6 +74,10 @@ NOTES = [
     "host_cpu: the host over the trace's playing, from /proc: busy_cores_mean of its cores, and processes_cpu_s, "
     "the CPU seconds of the emulated store's processes (none with local adapters), which a real store would not "
     "put on the serving node.",
+    "per_replica.step_totals: each replica's engine steps over the whole run, decode-only and mixed: how many, "
+    "their seconds (admission, host and GPU), the host's part, the rows sampled (tokens made), and the mean step "
+    "and rows per step; between: the engine thread's time from one step's end to the next one's start while "
+    "requests were in the engine (delivering outputs, taking commands such as hints), not in any step.",
     "per_replica.step_timing: each replica's engine steps over the run's last 512 of each kind, split into the "
     "host's time before and after the GPU's (app/engine/step_timing.py): work that competes with the engine for "
     "the host (fetches, reads) shows there.",
@@ -133,6 +137,25 @@ def remote_delta(before: dict, after: dict) -> dict:
     cache_before, cache_after = before.get("node_cache", {}), after.get("node_cache", {})
     out = {k: cache_after.get(k, 0) - cache_before.get(k, 0) for k in NODE_CACHE_COUNTERS}
     out["hinted_from_store"] = after.get("hinted_from_store", 0) - before.get("hinted_from_store", 0)
+    return out
+
+
+def step_totals_delta(before: dict, after: dict) -> dict | None:
+    """One replica's engine steps between two snapshots (app/engine/step_timing.py's totals): per kind of step its
+    count, seconds, host seconds and sampled rows, with the mean step and rows per step; and the engine thread's
+    gaps between steps with requests in the engine. None where a snapshot has no totals (an older engine)."""
+    old, new = (s.get("step_timing", {}).get("totals") for s in (before, after))
+    if old is None or new is None:
+        return None
+    out = {}
+    for kind in ("decode", "mixed"):
+        d = {k: new[kind][k] - old[kind][k] for k in new[kind]}
+        d["step_ms_mean"] = 1e3 * d["seconds"] / d["steps"] if d["steps"] else None
+        d["rows_per_step"] = d["rows"] / d["steps"] if d["steps"] else None
+        out[kind] = d
+    gaps = {k: new["between"][k] - old["between"][k] for k in new["between"]}
+    gaps["ms_mean"] = 1e3 * gaps["seconds"] / gaps["gaps"] if gaps["gaps"] else None
+    out["between"] = gaps
     return out
 
 

@@ -37,7 +37,7 @@ from bench.engine.arms import drop_page_cache
 from bench.engine.driver import metrics_delta, vocab_ids
 from bench.engine.hints import max_rank_adapter_bytes
 from bench.serve.arms import (NOTES, REMOTE_NOTES, SERVE_ARMS, RequestResult, remote_delta, remote_line,
-                              request_bodies, sum_deltas, summarize)
+                              request_bodies, step_totals_delta, sum_deltas, summarize)
 from bench.serve.cluster import APP_NAME, app_args_for, deploy, start_cluster, stream_completion
 from bench.serve.host_cpu import CpuWindow
 from bench.workloads import SEQUENTIAL_ADAPTERS, WORKLOADS, make
@@ -169,7 +169,8 @@ def run_one(args, url: str, actors: dict, workload: str, n: int, count: int, nam
                          "hints_received": d["hints_received"], "stall_s": d["stall_seconds"]["sum"],
                          "loads": d["loads_started"], "evictions": d["evictions"], "remote": d.get("remote"),
                          # the host's and the GPU's share of the run's last steps (app/engine/step_timing.py)
-                         "step_timing": after[uid].get("step_timing")}
+                         "step_timing": after[uid].get("step_timing"),
+                         "step_totals": step_totals_delta(before[uid], after[uid])}
                    for uid, d in deltas.items()}
     total = sum_deltas(list(deltas.values()))
     if "remote" in total:  # what a cold node cache must fetch at least, for the extra downloads beyond it

@@ -207,3 +207,25 @@ def test_nan_written_after_registration_fails_that_adapter_at_load(make_engine, 
     assert len(errors) == 1 and isinstance(errors[0], AdapterLoadFailed) and "limit" in str(errors[0])
     assert len(tokens[healthy.request_id]) == 4
     engine.check_invariants()
+
+
+def test_step_timing_counts_every_sampled_token_and_the_gaps_between_steps(async_engine, manifest, adapter_names):
+    """Every token a request gets is one row of one step's totals, and the engine thread's time between steps
+    with requests in the engine is counted apart from the steps."""
+    engine = async_engine()
+    prompts = manifest["prompts"][:2]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, a, greedy(10, ignore_eos=True))
+                                      for p, a in zip(prompts, adapter_names[:2])))
+
+    results = asyncio.run(main())
+    timing = engine.engine.timing.summary()
+    totals = timing["totals"]
+    assert totals["decode"]["rows"] + totals["mixed"]["rows"] == sum(len(tokens) for _, tokens, _ in results) == 20
+    assert totals["decode"]["steps"] + totals["mixed"]["steps"] >= 10
+    for kind in ("decode", "mixed"):
+        assert totals[kind]["seconds"] >= totals[kind]["host_seconds"] > 0
+        assert 0 <= timing[kind]["admit_ms_p50"] <= timing[kind]["admit_ms_p99"]
+    assert totals["between"]["gaps"] >= 9 and totals["between"]["seconds"] > 0  # a request had a next step 9 times
+    assert timing["between"]["gaps"] == totals["between"]["gaps"]

@@ -200,7 +200,8 @@ class Claim:
         self.base, self.adapter_dir, self.names = prepare(args.size, distinct, args.seed, args.demo_dir)
         self.remote, self.adapter_root = None, self.adapter_dir
         if args.adapter_store == "s3":  # before Ray starts: its workers inherit the store's environment
-            from bench.serve.store import RemoteAdapters, StoreConfig
+            from bench.serve.remote_adapters import RemoteAdapters
+            from bench.serve.store import StoreConfig
 
             if ray.is_initialized():
                 raise SystemExit("--adapter-store s3 sets the store's endpoint in the environment Ray's workers "

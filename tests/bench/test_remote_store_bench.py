@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from bench.adapter_pool import CONFIG_NAME, WEIGHTS_NAME
 from bench.serve.arms import NODE_CACHE_COUNTERS, hinted_hit_rate, remote_delta, remote_summary
-from bench.serve.store import BUCKET, SOURCES, EmulatedStore, RemoteAdapters, StoreConfig
+from bench.serve.remote_adapters import RemoteAdapters, _run_on
+from bench.serve.store import BUCKET, SOURCES, EmulatedStore, StoreConfig
 from bench.serve.store_proxy import route
 
 pytest.importorskip("moto.server")
@@ -180,7 +181,9 @@ def test_urgent_fetch_times_the_waited_download_each_way(tmp_path):
     assert all(len(w["runs_s"]) == (2 if name == "alone" else 1) and w["median_s"] > 0 for name, w in waited.items())
 
 
-def test_the_store_runs_on_its_own_cores(tmp_path):
+def test_the_store_runs_on_its_own_cores(tmp_path, monkeypatch):
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION"):
+        monkeypatch.delenv(key, raising=False)  # RemoteAdapters sets them for the Ray workers to come
     mine = sorted(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="at least one"):
         StoreConfig(cores=len(mine))
@@ -192,3 +195,11 @@ def test_the_store_runs_on_its_own_cores(tmp_path):
         assert all(os.sched_getaffinity(pid) == {mine[-1]} for pid in store.pids())
         assert store.filesystem(direct=False).cat_file(f"{store.root.removeprefix('s3://')}/a/{CONFIG_NAME}")
     assert os.sched_getaffinity(0) == set(mine)  # the store alone moves nothing else
+    remote = RemoteAdapters(StoreConfig(0.0, 1000.0, shards=1, proxies=1, cores=1), [tmp_path / "a"], ["b"],
+                            cache_adapters=None, cache_root=str(tmp_path))
+    try:  # the bench's process, and the Ray cluster it starts next, on the other cores
+        assert os.sched_getaffinity(0) == set(mine[:-1])
+        assert all(os.sched_getaffinity(pid) == {mine[-1]} for pid in remote.store.pids())
+    finally:
+        remote.close()
+        _run_on(set(mine))

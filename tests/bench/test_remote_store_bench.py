@@ -25,6 +25,13 @@ pytest.importorskip("moto.server")
 LATENCY_MS, MBPS = 100.0, 20.0
 
 
+@pytest.fixture
+def store_env(monkeypatch):
+    """The store's environment, which RemoteAdapters sets for the Ray workers to come, gone after the test."""
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION"):
+        monkeypatch.delenv(key, raising=False)
+
+
 def tiny_adapter(folder: Path, seed: int) -> Path:
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
@@ -49,9 +56,7 @@ def test_proxy_delays_first_bytes_and_caps_bandwidth(tmp_path):
     assert floor["app_download_s"] >= LATENCY_MS / 1e3
 
 
-def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, monkeypatch):
-    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION"):
-        monkeypatch.delenv(key, raising=False)  # RemoteAdapters sets them for the Ray workers to come
+def test_adapters_upload_and_repeat_under_their_own_names(tmp_path, store_env):
     first, second = tiny_adapter(tmp_path / "a", 0), tiny_adapter(tmp_path / "b", 1)
     remote = RemoteAdapters(StoreConfig(0.0, 1000.0, shards=2, proxies=2), [first, second, first],
                             ["x-0", "x-1", "x-2"], cache_adapters=None, cache_root=str(tmp_path))
@@ -181,9 +186,7 @@ def test_urgent_fetch_times_the_waited_download_each_way(tmp_path):
     assert all(len(w["runs_s"]) == (2 if name == "alone" else 1) and w["median_s"] > 0 for name, w in waited.items())
 
 
-def test_the_store_runs_on_its_own_cores(tmp_path, monkeypatch):
-    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION"):
-        monkeypatch.delenv(key, raising=False)  # RemoteAdapters sets them for the Ray workers to come
+def test_the_store_runs_on_its_own_cores(tmp_path, store_env):
     mine = sorted(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="at least one"):
         StoreConfig(cores=len(mine))

@@ -57,9 +57,12 @@ def main(argv=None) -> Path:
     per_round = args.ahead + 1
     scratch = Path(tempfile.mkdtemp(prefix="urgent-fetch-"))
     try:
-        folders = random_objects(scratch, per_round * args.repeats * 2, args.object_mb, "object")
+        # Every download is of an object of its own name; the names share the bytes of one round's objects, which
+        # every shard holds once.
+        distinct = random_objects(scratch, per_round, args.object_mb, "object")
+        names = [f"object-{i}" for i in range(per_round * args.repeats * 2)]
         with EmulatedStore(config) as store, mock.patch.dict(os.environ, store.env()):
-            store.upload(folders, [f.name for f in folders])
+            store.upload([distinct[i % per_round] for i in range(len(names))], names)
             import s3fs
 
             from app.adapters.remote import RemoteStore
@@ -67,7 +70,7 @@ def main(argv=None) -> Path:
             s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
             remote = RemoteStore([store.root], workers=args.workers)
             try:
-                objects = [remote.stat(f"{store.root}/{f.name}/{WEIGHTS_NAME}") for f in folders]
+                objects = [remote.stat(f"{store.root}/{name}/{WEIGHTS_NAME}") for name in names]
                 for i in range(args.repeats * 2):
                     batch = objects[i * per_round:(i + 1) * per_round]
                     phases["alone"].append(waited_download_s(remote, batch[-1:], scratch, None, 0))

@@ -20,11 +20,12 @@ from collections import deque
 WINDOW = 512  # recent steps kept for the percentiles (the summary is sent to the router every poll)
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentiles(values: list[float], *qs: float) -> list[float]:
+    """The q-quantiles of `values` (nearest rank below), sorting them once; 0.0 each where there are none."""
     if not values:
-        return 0.0
+        return [0.0] * len(qs)
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return [round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) for q in qs]
 
 
 class StepTiming:
@@ -63,20 +64,22 @@ class StepTiming:
             after = [s[3] * 1e3 for s in samples]
             host = [b + a for b, a in zip(before, after)]
             total = [h + w for h, w in zip(host, wait)]
+            host_p50, host_p99 = _percentiles(host, 0.5, 0.99)
+            admit_p50, admit_p99 = _percentiles(admit, 0.5, 0.99)
             out[name] = {
                 "steps": len(samples),
-                "step_ms_p50": round(_percentile(total, 0.5), 3),
-                "host_ms_p50": round(_percentile(host, 0.5), 3),
-                "host_ms_p99": round(_percentile(host, 0.99), 3),
-                "before_launch_ms_p50": round(_percentile(before, 0.5), 3),
-                "gpu_wait_ms_p50": round(_percentile(wait, 0.5), 3),
-                "after_sync_ms_p50": round(_percentile(after, 0.5), 3),
+                "step_ms_p50": _percentiles(total, 0.5)[0],
+                "host_ms_p50": host_p50,
+                "host_ms_p99": host_p99,
+                "before_launch_ms_p50": _percentiles(before, 0.5)[0],
+                "gpu_wait_ms_p50": _percentiles(wait, 0.5)[0],
+                "after_sync_ms_p50": _percentiles(after, 0.5)[0],
                 "host_share": round(sum(host) / sum(total), 3) if total and sum(total) > 0 else 0.0,
-                "admit_ms_p50": round(_percentile(admit, 0.5), 3),
-                "admit_ms_p99": round(_percentile(admit, 0.99), 3),
+                "admit_ms_p50": admit_p50,
+                "admit_ms_p99": admit_p99,
             }
         gaps = [g * 1e3 for g in self.gaps]
-        out["between"] = {"gaps": len(gaps), "ms_p50": round(_percentile(gaps, 0.5), 3),
-                          "ms_p99": round(_percentile(gaps, 0.99), 3)}
+        gaps_p50, gaps_p99 = _percentiles(gaps, 0.5, 0.99)
+        out["between"] = {"gaps": len(gaps), "ms_p50": gaps_p50, "ms_p99": gaps_p99}
         out["totals"] = {kind: dict(values) for kind, values in self.totals.items()}
         return out

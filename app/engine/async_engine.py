@@ -102,6 +102,7 @@ class AsyncEngine(EngineStreams):
         self._stopped = threading.Event()
         self._awaiting_first: set[str] = set()  # engine thread only: requests added, no output delivered yet
         self._stepped_at: float | None = None  # engine thread only: when the last step ended, requests remaining
+        self._stepped_cpu = 0.0  # engine thread only: the thread's CPU time then
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -122,8 +123,10 @@ class AsyncEngine(EngineStreams):
 
     def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
              withdrawn_ids=None, ahead: list[str] = (), ahead_ids=None) -> None:
-        self._commands.put(lambda e: e.hint(adapter_ids, incoming, withdrawn, hint_ids, withdrawn_ids, ahead,
-                                            ahead_ids))
+        def hint(engine: LLMEngine) -> None:
+            engine.hint(adapter_ids, incoming, withdrawn, hint_ids, withdrawn_ids, ahead, ahead_ids)
+
+        self._commands.put(hint)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -185,6 +188,13 @@ class AsyncEngine(EngineStreams):
     def _handle(self, command) -> None:
         if command is None:
             return
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            self._run_command(command)
+        finally:
+            self.engine.timing.work(_command_name(command), time.perf_counter() - started, time.thread_time() - cpu)
+
+    def _run_command(self, command) -> None:
         if isinstance(command, tuple):
             fn, future = command
             try:
@@ -201,16 +211,18 @@ class AsyncEngine(EngineStreams):
             self._deliver(output)
 
     def _step(self) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         if self._stepped_at is not None:  # requests have been in the engine since the last step ended
-            self.engine.timing.between(started - self._stepped_at)
+            self.engine.timing.between(started - self._stepped_at, cpu - self._stepped_cpu)
         try:
             outputs = self.engine.step()
         except Exception as e:  # a bug or device fault: fail what is in flight, keep serving
             log.exception("engine step failed")
             outputs = self._fail_all(e)
-        self._stepped_at = time.perf_counter() if self.engine.has_requests() else None
+        ended, cpu = time.perf_counter(), time.thread_time()
+        self._stepped_at, self._stepped_cpu = (ended, cpu) if self.engine.has_requests() else (None, 0.0)
         self._deliver_all(outputs)
+        self.engine.timing.work("deliver", time.perf_counter() - ended, time.thread_time() - cpu)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         first = self._has_first(outputs)
@@ -238,6 +250,14 @@ class AsyncEngine(EngineStreams):
                 outputs.append(RequestOutput(request_id, "", (), True, "error", error=error))
         return outputs
 
+
+
+def _command_name(command) -> str:
+    """A command's name for the step timing: the engine method a call names, else its function's name."""
+    fn = command[0] if isinstance(command, tuple) else command
+    if isinstance(fn, methodcaller):  # its repr is "operator.methodcaller('name', ...)"
+        return repr(fn).split("'", 2)[1]
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -7,7 +7,10 @@ the GPU wait; `wait_ms` is the host waiting on the GPU (the step's device time, 
 parts of the engine thread's time keep the GPU idle too: `admit_ms`, a step's start before it
 schedules (finished loads, prefetches and fetches ahead for what is wanted next), and `between_ms`,
 the thread's time from one step's end to the next one's start while requests are in the engine
-(delivering outputs, commands such as hints and new requests).
+(delivering outputs, commands such as hints and new requests). `totals["work"]` splits the engine
+thread's time outside steps by what it did (each command by name, and "deliver"), with the thread's CPU
+seconds beside the wall seconds: wall time well above CPU time is time the thread waited (for the GIL, or
+for a file system call).
 
 The percentiles cover the last WINDOW steps of each kind; `totals` count every step since the start,
 so that a bench can take their difference over a run.
@@ -36,7 +39,8 @@ class StepTiming:
         self.gaps: deque[float] = deque(maxlen=window)
         self.totals = {kind: {"steps": 0, "seconds": 0.0, "host_seconds": 0.0, "rows": 0}
                        for kind in ("decode", "mixed")}
-        self.totals["between"] = {"gaps": 0, "seconds": 0.0}
+        self.totals["between"] = {"gaps": 0, "seconds": 0.0, "cpu_seconds": 0.0}
+        self.totals["work"] = {}
 
     def observe(self, admit_s: float, before_s: float, wait_s: float, after_s: float, decode_only: bool,
                 rows: int) -> None:
@@ -49,11 +53,24 @@ class StepTiming:
         totals["host_seconds"] += admit_s + before_s + after_s
         totals["rows"] += rows
 
-    def between(self, seconds: float) -> None:
-        """The engine thread's time from one step's end to the next one's start, requests waiting throughout."""
+    def between(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """The engine thread's time from one step's end to the next one's start, requests waiting throughout, and
+        its CPU time in that gap."""
         self.gaps.append(seconds)
-        self.totals["between"]["gaps"] += 1
-        self.totals["between"]["seconds"] += seconds
+        between = self.totals["between"]
+        between["gaps"] += 1
+        between["seconds"] += seconds
+        between["cpu_seconds"] += cpu_seconds
+
+    def work(self, name: str, seconds: float, cpu_seconds: float) -> None:
+        """One piece of the engine thread's work outside steps: a command (by name) or delivering outputs."""
+        totals = self.totals["work"].get(name)
+        if totals is None:
+            totals = self.totals["work"][name] = {"count": 0, "seconds": 0.0, "cpu_seconds": 0.0, "max_ms": 0.0}
+        totals["count"] += 1
+        totals["seconds"] += seconds
+        totals["cpu_seconds"] += cpu_seconds
+        totals["max_ms"] = max(totals["max_ms"], round(seconds * 1e3, 3))
 
     def summary(self) -> dict:
         out = {}
@@ -81,5 +98,6 @@ class StepTiming:
         gaps = [g * 1e3 for g in self.gaps]
         gaps_p50, gaps_p99 = _percentiles(gaps, 0.5, 0.99)
         out["between"] = {"gaps": len(gaps), "ms_p50": gaps_p50, "ms_p99": gaps_p99}
-        out["totals"] = {kind: dict(values) for kind, values in self.totals.items()}
+        out["totals"] = {kind: dict(values) for kind, values in self.totals.items() if kind != "work"}
+        out["totals"]["work"] = {name: dict(values) for name, values in self.totals["work"].items()}
         return out

@@ -77,7 +77,10 @@ NOTES = [
     "per_replica.step_totals: each replica's engine steps over the whole run, decode-only and mixed: how many, "
     "their seconds (admission, host and GPU), the host's part, the rows sampled (tokens made), and the mean step "
     "and rows per step; between: the engine thread's time from one step's end to the next one's start while "
-    "requests were in the engine (delivering outputs, taking commands such as hints), not in any step.",
+    "requests were in the engine (delivering outputs, taking commands such as hints), not in any step, with the "
+    "thread's CPU seconds in it; work: the engine thread's time outside steps by what it did (each command by "
+    "name: hint, add, routing_stats, metrics, ...; deliver), wall and CPU seconds (wall well above CPU: the "
+    "thread waited, for the GIL or a file system call).",
     "per_replica.step_timing: each replica's engine steps over the run's last 512 of each kind, split into the "
     "host's time before and after the GPU's (app/engine/step_timing.py): work that competes with the engine for "
     "the host (fetches, reads) shows there.",
@@ -143,7 +146,8 @@ def remote_delta(before: dict, after: dict) -> dict:
 def step_totals_delta(before: dict, after: dict) -> dict | None:
     """One replica's engine steps between two snapshots (app/engine/step_timing.py's totals): per kind of step its
     count, seconds, host seconds and sampled rows, with the mean step and rows per step; and the engine thread's
-    gaps between steps with requests in the engine. None where a snapshot has no totals (an older engine)."""
+    gaps between steps with requests in the engine (wall and CPU seconds), and its work outside steps by name
+    (commands, delivering outputs), most seconds first. None where a snapshot has no totals (an older engine)."""
     old, new = (s.get("step_timing", {}).get("totals") for s in (before, after))
     if old is None or new is None:
         return None
@@ -153,9 +157,16 @@ def step_totals_delta(before: dict, after: dict) -> dict | None:
         d["step_ms_mean"] = 1e3 * d["seconds"] / d["steps"] if d["steps"] else None
         d["rows_per_step"] = d["rows"] / d["steps"] if d["steps"] else None
         out[kind] = d
-    gaps = {k: new["between"][k] - old["between"][k] for k in new["between"]}
+    gaps = {k: new["between"][k] - old["between"].get(k, 0.0) for k in new["between"]}
     gaps["ms_mean"] = 1e3 * gaps["seconds"] / gaps["gaps"] if gaps["gaps"] else None
     out["between"] = gaps
+    work = {}
+    for name, after in new.get("work", {}).items():
+        was = old.get("work", {}).get(name, {})
+        d = {k: after[k] - was.get(k, 0) for k in ("count", "seconds", "cpu_seconds")}
+        if d["count"]:
+            work[name] = {**d, "ms_mean": 1e3 * d["seconds"] / d["count"], "max_ms_since_start": after["max_ms"]}
+    out["work"] = dict(sorted(work.items(), key=lambda item: -item[1]["seconds"]))
     return out
 
 

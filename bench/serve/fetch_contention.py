@@ -28,15 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
+import torch
+
 from bench.common import RESULTS, write_result
 from bench.serve.store import EmulatedStore, add_store_arguments, describe, random_objects, store_config
 from bench.serve.store_proxy import WEIGHTS_NAME
 
 
-def stand_in_step(python_ms: float, wait_ms: float, loops_per_ms: int) -> None:
+def stand_in_step(python_ms: float, wait_ms: float, loops_per_ms: int, ops: int = 0, tensor=None) -> None:
     x = 0
     for i in range(int(python_ms * loops_per_ms)):
         x += i * i
+    for _ in range(ops):  # each torch call lets go of the GIL and takes it back, as an engine step's launches do
+        tensor.add_(1)
     time.sleep(wait_ms / 1e3)
 
 
@@ -72,11 +76,12 @@ def download(env: dict, uris: list[str], rounds: int) -> tuple[float, int]:
 def timed_phase(run, args, per_ms: int) -> dict:
     """The stand-in loop's step times while `run()` (which returns (seconds, bytes) or None) runs."""
     stop, steps = threading.Event(), []
+    tensor = torch.zeros(16) if args.step_ops else None
 
     def loop() -> None:
         while not stop.is_set():
             t = time.perf_counter()
-            stand_in_step(args.step_python_ms, args.step_wait_ms, per_ms)
+            stand_in_step(args.step_python_ms, args.step_wait_ms, per_ms, args.step_ops, tensor)
             steps.append(1e3 * (time.perf_counter() - t))
 
     thread = threading.Thread(target=loop)
@@ -103,6 +108,8 @@ def main(argv=None) -> Path:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--step-python-ms", type=float, default=2.0)
     parser.add_argument("--step-wait-ms", type=float, default=7.0, help="the GPU's share of a decode step")
+    parser.add_argument("--step-ops", type=int, default=0,
+                        help="torch calls per step besides the Python (each lets go of the GIL and takes it back)")
     add_store_arguments(parser)
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

@@ -229,3 +229,7 @@ def test_step_timing_counts_every_sampled_token_and_the_gaps_between_steps(async
         assert 0 <= timing[kind]["admit_ms_p50"] <= timing[kind]["admit_ms_p99"]
     assert totals["between"]["gaps"] >= 9 and totals["between"]["seconds"] > 0  # a request had a next step 9 times
     assert timing["between"]["gaps"] == totals["between"]["gaps"]
+    assert 0 <= totals["between"]["cpu_seconds"] <= totals["between"]["seconds"] * 1.5 + 0.01
+    work = totals["work"]
+    assert work["add"]["count"] == 2 and work["deliver"]["count"] >= 10  # each request's add, each step's outputs
+    assert all(w["seconds"] >= 0 and w["cpu_seconds"] >= 0 and w["max_ms"] >= 0 for w in work.values())

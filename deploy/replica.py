@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from operator import methodcaller
 
@@ -16,7 +17,7 @@ from ray.exceptions import RayActorError
 from app.adapters.registry import VALIDATIONS_AT_ONCE
 from app.api.fanout import generate_choices, merge_chunks, output_chunk
 from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
-from app.engine.async_engine import AsyncEngine
+from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine
 from app.engine.process import DiscardResult, EngineProcess
 from app.engine.engine import LLMEngine
 from app.errors import AdapterInUse, AdapterNotFound, EngineUnavailable, InternalError, ServingError
@@ -27,17 +28,15 @@ from prefetch.hints import in_order_batches
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
+METRICS_EVERY_S = 0.5  # how often the engine's metrics go to Prometheus (each read takes the engine thread's time)
 ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
 HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk",
                 "hinted_from_store": "store"}
-SWITCH_INTERVAL_S = 0.0005
 
 
 class LoRAReplica:
     async def __init__(self, args: dict):
-        # The engine thread shares the GIL with Ray's event loop; the default 5 ms switch interval
-        # lets a busy loop hold the engine back for 5 ms at every CUDA sync or torch op boundary.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # an engine thread here shares the GIL with Ray's event loop
         self.args = AppArgs(**args)
         context = serve.get_replica_context()
         self.uid = context.replica_id.unique_id
@@ -56,6 +55,7 @@ class LoRAReplica:
         await self._sync_adapters(self.args.initial_adapters())
         self._known: tuple | None = None
         self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
+        self._exported_at = float("-inf")  # when the engine's metrics last went to Prometheus
         self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
 
     def __del__(self):
@@ -218,7 +218,9 @@ class LoRAReplica:
                     self._known = (reply["epoch"], reply["version"])
                 elif self._deferred:
                     await self._retry_deferred()
-                await self._export_metrics()
+                if time.monotonic() - self._exported_at >= METRICS_EVERY_S:  # hints can end a poll many times a second
+                    self._exported_at = time.monotonic()
+                    await self._export_metrics()
             except (RayActorError, ValueError, asyncio.TimeoutError) as e:
                 log.debug("router actor unavailable: %r", e)
                 self._router_state = None

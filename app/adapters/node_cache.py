@@ -11,6 +11,10 @@ across processes, do not lock entries that are being read against eviction, and 
   entry being read or written is never evicted.
 - Least recently used first (an entry's mtime is touched on every use), within `budget_bytes`. A full disk
   (ENOSPC) evicts as much as it can and retries once, then fails that download with AdapterCacheFull.
+- `snapshot()` touches no file: the engine thread reports it several times a second, and a scan of the folder
+  there makes a stat call per file, each one letting go of the GIL and waiting to take it back from the
+  download threads. Its `used_bytes` is as this process last counted it, at its start and at each of its own
+  downloads; `used_bytes()` counts anew.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class NodeCache:
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._sweep_abandoned()
+        self._counted_bytes = self.used_bytes()  # under _stats_lock: as of this process's last count
 
     def path(self, key: CacheKey) -> Path:
         return self.objects / key.digest
@@ -131,6 +136,8 @@ class NodeCache:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
         self._count(downloads=1, downloaded_bytes=nbytes, download_seconds=time.perf_counter() - started)
+        with self._stats_lock:
+            self._counted_bytes += nbytes
 
     def _make_room(self, nbytes: int, free_disk: bool = False) -> None:
         """Evict least recently used entries, none in use, until `nbytes` more fit the budget (and, with
@@ -146,6 +153,8 @@ class NodeCache:
                 if self._evict(folder):
                     used -= size
                     self._count(evictions=1, evicted_bytes=size)
+            with self._stats_lock:
+                self._counted_bytes = used
 
     def _evict(self, folder: Path) -> bool:
         with open(self.locks / f"{folder.name}.lock", "a+b") as lock:
@@ -195,7 +204,7 @@ class NodeCache:
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def snapshot(self) -> dict:
+        """The counters, and the bytes in the cache as this process last counted them (no file-system call)."""
         with self._stats_lock:
-            stats = dict(vars(self.stats))
-        return {"directory": str(self.directory), "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes(),
-                **stats}
+            stats, used = dict(vars(self.stats)), self._counted_bytes
+        return {"directory": str(self.directory), "budget_bytes": self.budget_bytes, "used_bytes": used, **stats}

@@ -25,6 +25,11 @@ from app.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.002  # how often an idle engine looks at in-flight loads
+# The GIL's switch interval in a process that runs an engine loop. The loop lets go of the GIL at every torch
+# call, CUDA sync and system call, and takes it back only once the thread that took it lets go: with Python's
+# default 5 ms, any busy thread of the process (an event loop, adapter downloads, host reads) can hold the
+# engine back for 5 ms each time.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineStreams:

@@ -18,12 +18,13 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
-from app.engine.async_engine import AsyncEngine, EngineStreams
+from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, EngineStreams
 from app.engine.config import EngineConfig
 from app.errors import EngineUnavailable, InternalError
 from app.engine.request import RequestOutput
@@ -196,6 +197,7 @@ def _child_main(config: EngineConfig, conn) -> None:
     from app.engine.engine import LLMEngine  # imports torch in the child only
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # adapter downloads and host reads run on this process's threads
     lock = threading.Lock()
 
     def send(message) -> None:

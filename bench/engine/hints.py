@@ -35,6 +35,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
+from app.engine.async_engine import SWITCH_INTERVAL_S  # what a replica sets: engine and loader threads share the GIL
 from app.engine.config import EngineConfig
 from app.demo.build import SIZES
 from app.adapters.targets import target_shapes
@@ -50,7 +51,6 @@ from prefetch.layout import PageLayout
 
 SATURATION_REQUESTS = 32  # the saturation burst: at least this many requests, or twice the batch
 BURST_RATE = 1e6  # requests/s: every request of the burst arrives at once
-SWITCH_INTERVAL_S = 0.0005  # what deploy/replica.py sets, so engine and loader threads share the GIL as there
 QUICK = dict(size="small", capacity=4, n_values=[2, 4, 16], workload=["uniform", "zipf", "bursty-cv4", "sequential"],
              sweep=True, duration_s=3.0, sequential_requests=24, length_scale=0.0625, rotate_s=2.0)
 

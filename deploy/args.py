@@ -131,6 +131,11 @@ class AppArgs(BaseModel):
             return self.engine_process
         return self.engine_config().torch_device().type == "cuda"
 
+    sample_stalls_ms: float = Field(
+        default=0.0, ge=0, description="Diagnostics: sample where each replica's engine thread is while a host part "
+        "of its loop (a step's admission, launch or output, or the gap between steps) runs longer than this many "
+        "ms; the counts are in the engine's step_timing metrics, under stalls. 0: off.")
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             base_model=self.base_model, adapter_roots=tuple(self.adapter_roots), num_slots=self.num_slots,
@@ -145,6 +150,7 @@ class AppArgs(BaseModel):
             compile_decode=self.compile_decode,
             adapter_cache_dir=self.adapter_cache_dir, adapter_cache_bytes=self.adapter_cache_bytes,
             adapter_fetch_workers=self.adapter_fetch_workers, adapter_fetch_timeout_s=self.adapter_fetch_timeout_s,
+            sample_stalls_ms=self.sample_stalls_ms,
         )
 
     def initial_adapters(self) -> dict[str, str]:

@@ -226,6 +226,7 @@ class AsyncEngine(EngineStreams):
             outputs = self._fail_all(e)
         ended, cpu = time.perf_counter(), time.thread_time()
         self._stepped_at, self._stepped_cpu = (ended, cpu) if self.engine.has_requests() else (None, 0.0)
+        self.engine.timing.mark("between" if self._stepped_at is not None else None)
         self._deliver_all(outputs)
         self.engine.timing.work("deliver", time.perf_counter() - ended, time.thread_time() - cpu)
 

@@ -53,6 +53,9 @@ class EngineConfig:
     adapter_cache_bytes: int = 32 * GiB
     adapter_fetch_workers: int = 8  # adapters fetched at once, and ranges fetched at once over all downloads
     adapter_fetch_timeout_s: float = 60.0  # one store call's limit; a store that hangs fails with a 503
+    # Diagnostics: sample where the engine thread is while a host part of its loop runs longer than this many ms
+    # (app/engine/stall_sampler.py; reported in step_timing's "stalls"). 0: off.
+    sample_stalls_ms: float = 0.0
 
     def __post_init__(self):
         if self.max_prefill_tokens_per_step is None:
@@ -66,6 +69,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sample_stalls_ms < 0:
+            raise ValueError(f"sample_stalls_ms must be >= 0, got {self.sample_stalls_ms}")
         for name in ("kv_cache_bytes", "num_slots", "adapter_memory_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

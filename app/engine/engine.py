@@ -23,6 +23,7 @@ from app.engine.config import EngineConfig
 from app.engine.outputs import append_token, make_output
 from app.engine.request import PromptIndex, Request, RequestOutput
 from app.engine.scheduler import Scheduler, StepPlan
+from app.engine.stall_sampler import StallSampler
 from app.engine.step_timing import StepTiming
 from app.errors import AdapterInUse, AdapterLoadFailed
 from app.sampling.logprobs import EchoRows
@@ -61,7 +62,8 @@ class LLMEngine:
         self.first_token_time = Histogram(SECONDS_BUCKETS)
         self.request_time = Histogram(SECONDS_BUCKETS)
         self.steps = 0
-        self.timing = StepTiming()
+        sampler = StallSampler(threshold_s=config.sample_stalls_ms / 1e3) if config.sample_stalls_ms > 0 else None
+        self.timing = StepTiming(sampler=sampler)
         self.invariants = report.InvariantReport()
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
@@ -143,29 +145,43 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Admit, schedule, run, sample, stream."""
+        try:
+            return self._step()
+        finally:
+            self.timing.mark(None)
+
+    def _step(self) -> list[RequestOutput]:
+        self.timing.mark("admit")
         self.steps += 1
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         outputs = self._admit()
         scheduled_at = admitted_at = time.perf_counter()
+        cpu_at = time.thread_time()
+        host_cpu = cpu_at - cpu_started  # the engine thread's CPU time over the parts timed as the host's
+        self.timing.mark("before")
         plan = self.scheduler.schedule()
         if plan.is_empty and self.waiting:
             outputs += self._stall()
-            scheduled_at = time.perf_counter()
+            scheduled_at, cpu_at = time.perf_counter(), time.thread_time()
             plan = self.scheduler.schedule()
         self._end_stall(plan)
         if plan.is_empty:
             return outputs
         logits, echo, launched_at = self._run(plan)
+        host_cpu += time.thread_time() - cpu_at
+        self.timing.mark(None)
         sampled = [c.request for c in plan.chunks if c.samples]
         if not sampled and not echo.rows:
             return outputs
         # The step's one host sync: the tokens (and any logprobs) must reach the client.
         choices, prompt_logprobs = sample_batch(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo,
                                                 logits[len(sampled):])
-        synced_at = time.perf_counter()
+        synced_at, cpu_at = time.perf_counter(), time.thread_time()
+        self.timing.mark("after")
         outputs += self._stream(sampled, choices, echo, prompt_logprobs)
         self.timing.observe(admitted_at - started, launched_at - scheduled_at, synced_at - launched_at,
-                            time.perf_counter() - synced_at, plan.is_decode_only, len(sampled))
+                            time.perf_counter() - synced_at, plan.is_decode_only, len(sampled),
+                            host_cpu + time.thread_time() - cpu_at)
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
@@ -312,5 +328,7 @@ class LLMEngine:
         return report.metrics(self, drain_stalls)
 
     def shutdown(self) -> None:
+        if self.timing.sampler is not None:
+            self.timing.sampler.stop()
         self.residency.shutdown()
         self.registry.shutdown()

@@ -13,14 +13,55 @@ seconds beside the wall seconds: wall time well above CPU time is time the threa
 for a file system call).
 
 The percentiles cover the last WINDOW steps of each kind; `totals` count every step since the start,
-so that a bench can take their difference over a run.
+so that a bench can take their difference over a run. Beside each kind's `host_seconds` (admission,
+scheduling aside, before launch and after the sync), `host_cpu_seconds` is the engine thread's CPU time
+over the same parts, and `totals["gc"]` the process's garbage collections per generation, with their
+seconds: host time that is neither the thread's own work nor the collector's is time it waited to run
+again (for the GIL held by another thread, or in a system call).
 """
 
 from __future__ import annotations
 
+import gc
+import time
 from collections import deque
 
+from app.engine.stall_sampler import StallSampler
+
 WINDOW = 512  # recent steps kept for the percentiles (the summary is sent to the router every poll)
+
+
+class GcClock:
+    """Every garbage collection in the process (through gc.callbacks): how many of each generation, and their
+    seconds. A collection holds the GIL throughout, so it stops the engine thread wherever it runs."""
+
+    def __init__(self):
+        self.counts, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            generation = info["generation"]
+            self.counts[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._started
+            self._started = None
+
+    def totals(self) -> dict:
+        return {f"gen{g}": {"count": self.counts[g], "seconds": self.seconds[g]} for g in range(3)}
+
+
+_GC_CLOCK: GcClock | None = None
+
+
+def gc_clock() -> GcClock:
+    """The process's one GcClock, installed on first use."""
+    global _GC_CLOCK
+    if _GC_CLOCK is None:
+        _GC_CLOCK = GcClock()
+        gc.callbacks.append(_GC_CLOCK)
+    return _GC_CLOCK
 
 
 def _percentiles(values: list[float], *qs: float) -> list[float]:
@@ -32,26 +73,36 @@ def _percentiles(values: list[float], *qs: float) -> list[float]:
 
 
 class StepTiming:
-    def __init__(self, window: int = WINDOW):
+    def __init__(self, window: int = WINDOW, sampler: StallSampler | None = None):
+        self.sampler = sampler  # where the engine thread is when a host part runs long (None: not sampled)
         # (admit, before, wait, after) seconds of each recent step
         self.decode: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.mixed: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.gaps: deque[float] = deque(maxlen=window)
-        self.totals = {kind: {"steps": 0, "seconds": 0.0, "host_seconds": 0.0, "rows": 0}
+        self.totals = {kind: {"steps": 0, "seconds": 0.0, "host_seconds": 0.0, "host_cpu_seconds": 0.0, "rows": 0}
                        for kind in ("decode", "mixed")}
+        self._gc = gc_clock()
         self.totals["between"] = {"gaps": 0, "seconds": 0.0, "cpu_seconds": 0.0}
         self.totals["work"] = {}
 
     def observe(self, admit_s: float, before_s: float, wait_s: float, after_s: float, decode_only: bool,
-                rows: int) -> None:
-        """One step: its parts' seconds, and `rows`, the requests it sampled a token for."""
+                rows: int, host_cpu_s: float = 0.0) -> None:
+        """One step: its parts' seconds, `rows`, the requests it sampled a token for, and the engine thread's CPU
+        seconds over the host parts."""
         kind = "decode" if decode_only else "mixed"
         (self.decode if decode_only else self.mixed).append((admit_s, before_s, wait_s, after_s))
         totals = self.totals[kind]
         totals["steps"] += 1
         totals["seconds"] += admit_s + before_s + wait_s + after_s
         totals["host_seconds"] += admit_s + before_s + after_s
+        totals["host_cpu_seconds"] += host_cpu_s
         totals["rows"] += rows
+
+    def mark(self, part: str | None) -> None:
+        """Engine thread: it enters a host part of its loop ("admit", "before", "after", "between"), or leaves
+        them (None: the GPU wait, or idle)."""
+        if self.sampler is not None:
+            self.sampler.mark(part)
 
     def between(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         """The engine thread's time from one step's end to the next one's start, requests waiting throughout, and
@@ -83,14 +134,18 @@ class StepTiming:
             total = [h + w for h, w in zip(host, wait)]
             host_p50, host_p99 = _percentiles(host, 0.5, 0.99)
             admit_p50, admit_p99 = _percentiles(admit, 0.5, 0.99)
+            before_p50, before_p99 = _percentiles(before, 0.5, 0.99)
+            after_p50, after_p99 = _percentiles(after, 0.5, 0.99)
             out[name] = {
                 "steps": len(samples),
                 "step_ms_p50": _percentiles(total, 0.5)[0],
                 "host_ms_p50": host_p50,
                 "host_ms_p99": host_p99,
-                "before_launch_ms_p50": _percentiles(before, 0.5)[0],
+                "before_launch_ms_p50": before_p50,
+                "before_launch_ms_p99": before_p99,
                 "gpu_wait_ms_p50": _percentiles(wait, 0.5)[0],
-                "after_sync_ms_p50": _percentiles(after, 0.5)[0],
+                "after_sync_ms_p50": after_p50,
+                "after_sync_ms_p99": after_p99,
                 "host_share": round(sum(host) / sum(total), 3) if total and sum(total) > 0 else 0.0,
                 "admit_ms_p50": admit_p50,
                 "admit_ms_p99": admit_p99,
@@ -100,4 +155,7 @@ class StepTiming:
         out["between"] = {"gaps": len(gaps), "ms_p50": gaps_p50, "ms_p99": gaps_p99}
         out["totals"] = {kind: dict(values) for kind, values in self.totals.items() if kind != "work"}
         out["totals"]["work"] = {name: dict(values) for name, values in self.totals["work"].items()}
+        out["totals"]["gc"] = self._gc.totals()
+        if self.sampler is not None:
+            out["stalls"] = self.sampler.summary()
         return out

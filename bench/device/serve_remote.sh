@@ -16,6 +16,8 @@
 # memory, HOST_CACHE (48) of host cache, MAX_ONGOING (8) requests (the rest wait in the router, where hints are
 # sent), KV_GIB (12) GiB of KV cache, compile_decode off, the engine loop on a thread unless ENGINE_PROCESS=true.
 # HINT_DEPTH (48): how many waiting requests behind those Serve routes at a time A's router hints (0: only those).
+# SAMPLE_STALLS_MS (20): the replicas sample where their engine thread is while a host part of its loop runs longer
+# (per_replica.step_timing.stalls; 0: off).
 #
 #   bash bench/device/serve_remote.sh                              # uniform: A, A0, then serve_default if time is left
 #   WORKLOAD=zipf ARMS="A A0" bash bench/device/serve_remote.sh
@@ -46,7 +48,7 @@ fi
 BUDGET_S=${BUDGET_S:-520}  # from the call's start, as the 560 s limit
 N=${N:-256}
 APP="{\"kv_cache_bytes\": $(( ${KV_GIB:-12} << 30 )), \"compile_decode\": false, \"engine_process\": ${ENGINE_PROCESS:-false},
-     \"hint_depth\": ${HINT_DEPTH:-48}}"
+     \"hint_depth\": ${HINT_DEPTH:-48}, \"sample_stalls_ms\": ${SAMPLE_STALLS_MS:-20}}"
 ARGS=(--launch --size llama3-8b-shape --arms ${ARMS:-A A0 serve_default} "--tag=${TAG:-}" --replicas "${REPLICAS:-1}"
       --workload "${WORKLOAD:-uniform}@$N" --adapter-store s3 --store-latency-ms "${LATENCY_MS:-100}"
       --store-mbps "${MBPS:-150}" --store-shards "${SHARDS:-4}" --store-proxies "${PROXIES:-2}" \

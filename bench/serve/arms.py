@@ -78,12 +78,16 @@ NOTES = [
     "their seconds (admission, host and GPU), the host's part, the rows sampled (tokens made), and the mean step "
     "and rows per step; between: the engine thread's time from one step's end to the next one's start while "
     "requests were in the engine (delivering outputs, taking commands such as hints), not in any step, with the "
-    "thread's CPU seconds in it; work: the engine thread's time outside steps by what it did (each command by "
+    "thread's CPU seconds in it; host_cpu_seconds: the engine thread's CPU time over a kind's host parts (less "
+    "than host_seconds by the time it waited to run again); gc: the engine process's garbage collections per "
+    "generation and their seconds; work: the engine thread's time outside steps by what it did (each command by "
     "name: hint, add, routing_stats, metrics, ...; deliver), wall and CPU seconds (wall well above CPU: the "
     "thread waited, for the GIL or a file system call).",
     "per_replica.step_timing: each replica's engine steps over the run's last 512 of each kind, split into the "
     "host's time before and after the GPU's (app/engine/step_timing.py): work that competes with the engine for "
-    "the host (fetches, reads) shows there.",
+    "the host (fetches, reads) shows there. With sample_stalls_ms in the app's args, its stalls say, since the "
+    "replica started, where the engine thread was while a host part of its loop ran past that many ms, and which "
+    "other threads of its process were busy then (app/engine/stall_sampler.py).",
 ]
 
 REMOTE_NOTES = [
@@ -153,7 +157,7 @@ def step_totals_delta(before: dict, after: dict) -> dict | None:
         return None
     out = {}
     for kind in ("decode", "mixed"):
-        d = {k: new[kind][k] - old[kind][k] for k in new[kind]}
+        d = {k: new[kind][k] - old[kind].get(k, 0) for k in new[kind]}
         d["step_ms_mean"] = 1e3 * d["seconds"] / d["steps"] if d["steps"] else None
         d["rows_per_step"] = d["rows"] / d["steps"] if d["steps"] else None
         out[kind] = d
@@ -167,6 +171,9 @@ def step_totals_delta(before: dict, after: dict) -> dict | None:
         if d["count"]:
             work[name] = {**d, "ms_mean": 1e3 * d["seconds"] / d["count"], "max_ms_since_start": after["max_ms"]}
     out["work"] = dict(sorted(work.items(), key=lambda item: -item[1]["seconds"]))
+    if "gc" in new:
+        out["gc"] = {g: {k: new["gc"][g][k] - old.get("gc", {}).get(g, {}).get(k, 0) for k in ("count", "seconds")}
+                     for g in new["gc"]}
     return out
 
 

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +31,7 @@ from unittest import mock
 
 import torch
 
+from app.engine.async_engine import SWITCH_INTERVAL_S
 from bench.common import RESULTS, write_result
 from bench.serve.store import EmulatedStore, add_store_arguments, describe, random_objects, store_config
 from bench.serve.store_proxy import WEIGHTS_NAME
@@ -108,11 +110,14 @@ def main(argv=None) -> Path:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--step-python-ms", type=float, default=2.0)
     parser.add_argument("--step-wait-ms", type=float, default=7.0, help="the GPU's share of a decode step")
+    parser.add_argument("--switch-interval-s", type=float, default=SWITCH_INTERVAL_S,
+                        help="the GIL's switch interval (an engine process's by default)")
     parser.add_argument("--step-ops", type=int, default=0,
                         help="torch calls per step besides the Python (each lets go of the GIL and takes it back)")
     add_store_arguments(parser)
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    sys.setswitchinterval(args.switch_interval_s)
     config = store_config(args)
     scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
     phases = []

@@ -1,10 +1,12 @@
 """Streaming, cancellation, unregistration and failures through the threaded AsyncEngine."""
 
 import asyncio
+import gc
 import shutil
 
 import pytest
 
+from app.engine import step_timing
 from app.engine.async_engine import AsyncEngine
 from app.errors import AdapterInUse, AdapterLoadFailed, AdapterNotFound, InvalidRequest, PromptTooLong
 from app.sampling.params import SamplingParams
@@ -211,8 +213,9 @@ def test_nan_written_after_registration_fails_that_adapter_at_load(make_engine, 
 
 def test_step_timing_counts_every_sampled_token_and_the_gaps_between_steps(async_engine, manifest, adapter_names):
     """Every token a request gets is one row of one step's totals, and the engine thread's time between steps
-    with requests in the engine is counted apart from the steps."""
-    engine = async_engine()
+    with requests in the engine is counted apart from the steps; the stall sampler (on at a 0.01 ms threshold)
+    names the loop's parts it found running."""
+    engine = async_engine(sample_stalls_ms=0.01)
     prompts = manifest["prompts"][:2]
 
     async def main():
@@ -226,6 +229,7 @@ def test_step_timing_counts_every_sampled_token_and_the_gaps_between_steps(async
     assert totals["decode"]["steps"] + totals["mixed"]["steps"] >= 10
     for kind in ("decode", "mixed"):
         assert totals[kind]["seconds"] >= totals[kind]["host_seconds"] > 0
+        assert 0 < totals[kind]["host_cpu_seconds"] <= totals[kind]["host_seconds"] * 1.5 + 0.01
         assert 0 <= timing[kind]["admit_ms_p50"] <= timing[kind]["admit_ms_p99"]
     assert totals["between"]["gaps"] >= 9 and totals["between"]["seconds"] > 0  # a request had a next step 9 times
     assert timing["between"]["gaps"] == totals["between"]["gaps"]
@@ -233,3 +237,48 @@ def test_step_timing_counts_every_sampled_token_and_the_gaps_between_steps(async
     work = totals["work"]
     assert work["add"]["count"] == 2 and work["deliver"]["count"] >= 10  # each request's add, each step's outputs
     assert all(w["seconds"] >= 0 and w["cpu_seconds"] >= 0 and w["max_ms"] >= 0 for w in work.values())
+    assert set(totals["gc"]) == {"gen0", "gen1", "gen2"} and totals["gc"]["gen0"]["count"] >= 0
+    assert set(timing["stalls"]["samples"]) <= {"admit", "before", "after", "between"}
+
+
+def test_gc_clock_counts_collections_and_their_time():
+    clock = step_timing.gc_clock()
+    before = clock.totals()
+    gc.collect()
+    after = clock.totals()
+    assert after["gen2"]["count"] == before["gen2"]["count"] + 1
+    assert after["gen2"]["seconds"] > before["gen2"]["seconds"]
+
+
+def test_stall_sampler_finds_where_a_long_host_part_waits():
+    """A part that runs past the threshold is sampled where the engine thread is, with the busy thread beside it."""
+    import threading
+    import time
+
+    from app.engine.stall_sampler import StallSampler
+
+    sampler = StallSampler(interval_s=0.002, threshold_s=0.01)
+    stop = threading.Event()
+
+    def busy_neighbour():
+        while not stop.is_set():
+            sum(range(1000))
+
+    def slow_launch():
+        time.sleep(0.15)
+
+    neighbour = threading.Thread(target=busy_neighbour)
+    neighbour.start()
+    try:
+        sampler.mark("before")
+        slow_launch()
+        sampler.mark(None)
+        time.sleep(0.05)  # unmarked: the GPU wait is not sampled
+    finally:
+        stop.set()
+        neighbour.join()
+        sampler.stop()
+    summary = sampler.summary()
+    assert set(summary["samples"]) == {"before"} and summary["samples"]["before"] >= 5
+    assert summary["engine"][0][0].startswith("before: test_async_engine.py:") and "slow_launch" in summary["engine"][0][0]
+    assert any("busy_neighbour" in where for where, _ in summary["others"])

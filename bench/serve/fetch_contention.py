@@ -3,7 +3,8 @@
 A replica's engine steps on a thread: some Python to schedule and launch the step, then a wait on the GPU
 (which frees the GIL). Fetches of remote adapters run on worker threads of the same process, and their HTTP
 reads are Python too (s3fs, aiohttp). This times a stand-in for the engine loop (`--step-python-ms` of Python,
-then `--step-wait-ms` asleep) while `--downloads` adapters download at once from the emulated store
+`--step-ops` torch calls, each of which lets go of the GIL and takes it back as a step's launches do, then
+`--step-wait-ms` asleep), under an engine process's GIL switch interval (`--switch-interval-s`), while `--downloads` adapters download at once from the emulated store
 (bench/serve/store.py) through the app's own RemoteStore.download, first in the loop's process, then in a child
 process, alternately `--repeats` times, with an idle phase first:
 

@@ -8,7 +8,8 @@ that is not parked in a wait (a thread that runs Python, or sits in a system cal
 
 A step's host part that runs long while the engine thread's own CPU time does not (step_timing's
 host_cpu_seconds) waited for the GIL or in a system call; the counts say where it waited, and which other
-threads were busy then. Written by hand: py-spy and the like sample from outside the process and need ptrace,
+threads were busy then. The sampler's own lateness in waking (`wake_late_ms`) is what any thread of the
+process waits for the GIL when it wants it back, over the whole run. Written by hand: py-spy and the like sample from outside the process and need ptrace,
 which containers often forbid, and they do not know the engine's parts.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 
 # Innermost functions of threads that are parked (a pool's idle worker, a queue's reader, a poll loop).
 _PARKED = {("threading.py", "wait"), ("threading.py", "_wait_for_tstate_lock"), ("queue.py", "get"),
@@ -45,6 +46,8 @@ class StallSampler:
         self.others: Counter[str] = Counter()  # another thread's innermost frame -> samples
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._late: deque[float] = deque(maxlen=4096)  # seconds each recent wake-up came after it was due
+        self.late_total = [0, 0.0, 0.0]  # wake-ups, their lateness in seconds, the largest
 
     def mark(self, part: str | None) -> None:
         """Engine thread: it enters `part` ("admit", "before", "after", "between"), or None (GPU wait, idle)."""
@@ -58,15 +61,29 @@ class StallSampler:
         self._stopped.set()
 
     def summary(self, top: int = 12) -> dict:
+        late = sorted(self._late)
+        quantile = lambda q: round(1e3 * late[min(len(late) - 1, int(q * len(late)))], 3) if late else 0.0  # noqa: E731
+        wakes, late_s, worst = self.late_total
         return {"interval_ms": self.interval_s * 1e3, "threshold_ms": self.threshold_s * 1e3,
                 "samples": dict(self.samples), "engine": self.engine.most_common(top),
-                "others": self.others.most_common(top)}
+                "others": self.others.most_common(top),
+                "wake_late_ms": {"recent_p50": quantile(0.5), "recent_p99": quantile(0.99), "wakes": wakes,
+                                 "mean": round(1e3 * late_s / wakes, 3) if wakes else 0.0,
+                                 "max": round(1e3 * worst, 3)}}
 
     def _run(self) -> None:
         me = threading.get_ident()
-        while not self._stopped.wait(self.interval_s):
+        due = time.perf_counter() + self.interval_s
+        while not self._stopped.wait(max(0.0, due - time.perf_counter())):
+            now = time.perf_counter()
+            late = max(0.0, now - due)
+            self._late.append(late)
+            self.late_total[0] += 1
+            self.late_total[1] += late
+            self.late_total[2] = max(self.late_total[2], late)
+            due = now + self.interval_s
             marked = self._part
-            if marked is None or time.perf_counter() - marked[1] < self.threshold_s:
+            if marked is None or now - marked[1] < self.threshold_s:
                 continue
             part = marked[0]
             frames = sys._current_frames()

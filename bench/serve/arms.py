@@ -87,7 +87,8 @@ NOTES = [
     "host's time before and after the GPU's (app/engine/step_timing.py): work that competes with the engine for "
     "the host (fetches, reads) shows there. With sample_stalls_ms in the app's args, its stalls say, since the "
     "replica started, where the engine thread was while a host part of its loop ran past that many ms, and which "
-    "other threads of its process were busy then (app/engine/stall_sampler.py).",
+    "other threads of its process were busy then, and wake_late_ms how late the sampler woke: its wait for the "
+    "GIL (app/engine/stall_sampler.py).",
 ]
 
 REMOTE_NOTES = [

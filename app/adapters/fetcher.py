@@ -151,9 +151,10 @@ class RemoteFetcher:
         with ExitStack() as held:
             try:
                 folder = held.enter_context(self._entry(spec, files, downloaded))
-            except ObjectChanged:
-                known, files = files, RemoteFiles(self.store.stat(files.config.uri),
-                                                  self.store.stat(files.weights.uri))
+            except ObjectChanged as e:
+                asked = {e.current.uri: e.current} if e.current is not None else {}  # the check's answer, reused
+                known, files = files, RemoteFiles(*(asked.get(f.uri) or self.store.stat(f.uri)
+                                                    for f in (files.config, files.weights)))
                 if files.version == known.version:
                     raise
                 log.info("adapter %r changed in its store since registration; validating the new version",

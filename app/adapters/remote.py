@@ -128,7 +128,12 @@ def describe(uri: str, info: dict) -> RemoteObject:
 
 
 class ObjectChanged(AdapterStoreUnavailable):
-    """The bytes that came back are not those of the version asked for: the object changed in its store."""
+    """The bytes that came back are not those of the version asked for: the object changed in its store.
+    `current`: the object as the store described it when the check asked it (None where it was not asked)."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, current: RemoteObject | None = None):
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.current = current
 
 
 class RemoteStore:
@@ -288,14 +293,16 @@ class RemoteStore:
                     digest.update(chunk)
             if digest.hexdigest() == expected:
                 return
-            if not (obj.version.startswith("etag:") and self.stat(obj.uri).version == obj.version):
+            current = self.stat(obj.uri) if obj.version.startswith("etag:") else None
+            if current is None or current.version != obj.version:
                 raise ObjectChanged(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
-                                    "(the object changed?)", retry_after_s=_STORE_RETRY_AFTER_S)
+                                    "(the object changed?)", retry_after_s=_STORE_RETRY_AFTER_S, current=current)
             # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
             log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
             return
-        if self.stat(obj.uri).version != obj.version:  # no checksum: at least, the parts all came from one version
-            raise ObjectChanged(f"{obj.uri} changed", retry_after_s=_STORE_RETRY_AFTER_S)
+        current = self.stat(obj.uri)  # no checksum: at least, the parts all came from one version
+        if current.version != obj.version:
+            raise ObjectChanged(f"{obj.uri} changed", retry_after_s=_STORE_RETRY_AFTER_S, current=current)
 
     def shutdown(self) -> None:
         self._parts.shutdown()

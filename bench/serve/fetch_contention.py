@@ -11,7 +11,8 @@ process, alternately `--repeats` times, with an idle phase first:
     python -m bench.serve.fetch_contention                    # 8 downloads of 84 MB at once, 4 shards, 2 proxies
     bash bench/device/fetch_contention.sh                     # the same on the GPU machine's host
 
-Each phase reports the loop's step time (p50 / p90 / p99, ms) and the downloads' MB/s. A child process shares
+Each phase reports the loop's step time (p50 / p90 / p99, ms), how late a thread that sleeps 2 ms at a time
+wakes (`gil_wait_ms`: its wait for the GIL, and for a core), and the downloads' MB/s. A child process shares
 no GIL with the loop: where the two phases differ beyond noise, the difference is the GIL's.
 """
 
@@ -33,6 +34,7 @@ from unittest import mock
 import torch
 
 from app.engine.async_engine import SWITCH_INTERVAL_S
+from app.engine.stall_sampler import StallSampler
 from bench.common import RESULTS, write_result
 from bench.serve.store import EmulatedStore, add_store_arguments, describe, random_objects, store_config
 from bench.serve.store_proxy import WEIGHTS_NAME
@@ -88,16 +90,19 @@ def timed_phase(run, args, per_ms: int) -> dict:
             steps.append(1e3 * (time.perf_counter() - t))
 
     thread = threading.Thread(target=loop)
+    waker = StallSampler(interval_s=0.002)  # marks nothing: it only times its own wake-ups, a wait for the GIL
+    waker.mark(None)
     thread.start()
     try:
         moved = run()
     finally:
         stop.set()
         thread.join()
+        waker.stop()
     ordered = sorted(steps[1:])
     q = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
     out = {"steps": len(ordered), "step_ms_p50": statistics.median(ordered), "step_ms_p90": q(0.9),
-           "step_ms_p99": q(0.99)}
+           "step_ms_p99": q(0.99), "gil_wait_ms": waker.summary()["wake_late_ms"]}
     if moved is not None:
         out.update(download_s=moved[0], download_mb_per_s=moved[1] / moved[0] / 1e6)
     return out
@@ -138,7 +143,8 @@ def main(argv=None) -> Path:
                     phases.append({"phase": f"{args.downloads} downloads {where}", **timed_phase(run, args, per_ms)})
                     p = phases[-1]
                     print(f"{p['phase']:36s} step p50/p90/p99 {p['step_ms_p50']:.2f} / {p['step_ms_p90']:.2f} / "
-                          f"{p['step_ms_p99']:.2f} ms, {p['download_mb_per_s']:.0f} MB/s", flush=True)
+                          f"{p['step_ms_p99']:.2f} ms, GIL wait mean/p99 {p['gil_wait_ms']['mean']:.2f} / "
+                          f"{p['gil_wait_ms']['recent_p99']:.2f} ms, {p['download_mb_per_s']:.0f} MB/s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"idle: step p50/p90/p99 {phases[0]['step_ms_p50']:.2f} / {phases[0]['step_ms_p90']:.2f} / "

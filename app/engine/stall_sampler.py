@@ -9,8 +9,10 @@ that is not parked in a wait (a thread that runs Python, or sits in a system cal
 A step's host part that runs long while the engine thread's own CPU time does not (step_timing's
 host_cpu_seconds) waited for the GIL or in a system call; the counts say where it waited, and which other
 threads were busy then. The sampler's own lateness in waking (`wake_late_ms`) is what any thread of the
-process waits for the GIL when it wants it back, over the whole run. Written by hand: py-spy and the like sample from outside the process and need ptrace,
-which containers often forbid, and they do not know the engine's parts.
+process waits for the GIL when it wants it back, over the whole run.
+
+Written by hand: py-spy and the like sample from outside the process and need ptrace, which containers often
+forbid, and they do not know the engine's parts.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _where(frame, depth: int) -> str:
     parts = []
     while frame is not None and len(parts) < depth:
         code = frame.f_code
-        parts.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
+        parts.append(f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {code.co_name}")
         frame = frame.f_back
     return " < ".join(parts)
 

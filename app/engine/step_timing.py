@@ -14,7 +14,7 @@ for a file system call).
 
 The percentiles cover the last WINDOW steps of each kind; `totals` count every step since the start,
 so that a bench can take their difference over a run. Beside each kind's `host_seconds` (admission,
-scheduling aside, before launch and after the sync), `host_cpu_seconds` is the engine thread's CPU time
+scheduling and launch, and the work after the sync), `host_cpu_seconds` is the engine thread's CPU time
 over the same parts, and `totals["gc"]` the process's garbage collections per generation, with their
 seconds: host time that is neither the thread's own work nor the collector's is time it waited to run
 again (for the GIL held by another thread, or in a system call).

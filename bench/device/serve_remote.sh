@@ -62,7 +62,7 @@ left=$(( BUDGET_S - ($(date +%s) - call_start) )) hard=$(( 560 - ($(date +%s) - 
 echo "== serve_remote ${WORKLOAD:-uniform}@$N ($left s left)"
 timeout $(( left + 30 < hard ? left + 30 : hard )) python3 -m bench.serve.load "${ARGS[@]}" \
   --time-budget-s $(( left - 15 )) 2>&1 | quiet | tee "$OUT/serve_remote.log" \
-  | grep -E "^adapter store|^  floor|N=[0-9]+ |^wrote|^  bench|^no run|Error|Traceback" | tail -12
+  | grep -E "^adapter store|^  floor|N=[0-9]+ |^wrote|^  bench|^no run|would pass|deployed and warmed|Error|Traceback" | tail -12
 ray stop --force >/dev/null 2>&1
 echo "serve remote (${WORKLOAD:-uniform}, $GPUS GPU): $(( $(date +%s) - call_start )) s"
 bring_back serve_remote $(written "$SLUG-serve-remote-*.json")

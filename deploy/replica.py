@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 from app.adapters.registry import VALIDATIONS_AT_ONCE
 from app.api.fanout import generate_choices, merge_chunks, output_chunk
 from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
-from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine
+from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, freeze_heap
 from app.engine.process import DiscardResult, EngineProcess
 from app.engine.engine import LLMEngine
 from app.errors import AdapterInUse, AdapterNotFound, EngineUnavailable, InternalError, ServingError
@@ -53,6 +53,7 @@ class LoRAReplica:
         self._deferred: set[str] = set()  # names whose change waits for their requests to finish
         self._registry_lock = asyncio.Lock()
         await self._sync_adapters(self.args.initial_adapters())
+        await self.engine.call(freeze_heap)  # the engine and its adapters live as long as the process
         self._known: tuple | None = None
         self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
         self._exported_at = float("-inf")  # when the engine's metrics last went to Prometheus

@@ -73,8 +73,9 @@ class PageLayout:
         [page_numel] view, enough for the largest r); return the scales [n_modules] float32. Modules the
         adapter does not target stay zero with scale 0.
 
-        Every source and destination is a 1-D slice (row k of Bᵀ is B[k::r]), so the whole pack is one
-        zero_ per page and one multi-tensor copy: few GIL handoffs however many modules (see AdapterFile).
+        Each module takes two slices per page (A's rows, and Bᵀ's rows as a transposed view of B's columns), and
+        the whole pack is one zero_ per page and one multi-tensor copy: few GIL handoffs however many modules (see
+        AdapterFile), and little Python per module, which runs holding the GIL the engine thread needs.
         """
         rows = self.page_rows
         need = self.pages_for(max((part[2] for part in parts.values()), default=1))
@@ -87,14 +88,13 @@ class PageLayout:
             index = self.module_index[module]
             in_features, out_features = self.shapes[module]
             a_seg, bt_seg = self.segments[2 * index], self.segments[2 * index + 1]
+            b_rows = b.view(out_features, rank)
             for page, lo in enumerate(range(0, rank, rows)):
                 n = min(rows, rank - lo)
                 dst.append(pages[page][a_seg.offset: a_seg.offset + n * in_features])
                 src.append(a[lo * in_features: (lo + n) * in_features])
-            for k in range(rank):
-                row = bt_seg.offset + (k % rows) * out_features
-                dst.append(pages[k // rows][row: row + out_features])
-                src.append(b[k::rank])
+                dst.append(pages[page][bt_seg.offset: bt_seg.offset + n * out_features].view(n, out_features))
+                src.append(b_rows[:, lo: lo + n].t())  # Bᵀ's rows lo..lo+n: B's columns, one strided copy
             scales[index] = scale
         for page in pages:
             page.zero_()

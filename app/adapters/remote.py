@@ -23,6 +23,7 @@ from pathlib import Path
 
 import fsspec
 
+from app.adapters import part_process
 from app.adapters.urgent_pool import UrgentFirstPool
 from app.errors import (
     AdapterFormatError,
@@ -140,9 +141,10 @@ class RemoteStore:
     """The remote adapter roots, and reads under them through fsspec (filesystems made once per protocol and
     host, so connections are reused)."""
 
-    def __init__(self, roots: Sequence[str], timeout_s: float = 60.0, workers: int = 8):
+    def __init__(self, roots: Sequence[str], timeout_s: float = 60.0, workers: int = 8, part_process: bool = True):
         self.roots = tuple(normalize_uri(root) for root in roots)
         self.timeout_s, self.workers = timeout_s, workers
+        self.part_process = part_process  # downloads' ranged GETs in a helper process (part_process.py)
         self._filesystems: dict[str, fsspec.AbstractFileSystem] = {}
         self._lock = threading.Lock()
         self._parts = UrgentFirstPool(workers, "adapter-fetch-part")
@@ -241,45 +243,32 @@ class RemoteStore:
         ObjectChanged where they are another version's. The caller owns the paths (temporary names it renames
         once this returns). Parts go ahead of those of other downloads while `is_urgent()` holds and theirs
         does not: a fetch ahead yields the connections to one that a request waits for."""
-        fds: list[int] = []
-        try:
-            for obj, dest in files:
-                fds.append(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-                os.ftruncate(fds[-1], obj.size)
-            futures = [self._parts.submit(is_urgent, self._part, obj, fd, start)
-                       for (obj, _), fd in zip(files, fds) for start in range(0, obj.size, PART_BYTES)]
-            try:
-                for future in futures:
-                    future.result()
-            finally:  # no part may write once the fd is closed: its number could belong to another file by then
-                for future in futures:
-                    future.cancel()
-                wait(futures)
-            for fd in fds:
-                os.fsync(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
         for obj, dest in files:
+            with open(dest, "wb") as f:
+                f.truncate(obj.size)
+        futures = [self._parts.submit(is_urgent, self._write_part, obj, dest, start,
+                                        min(start + PART_BYTES, obj.size))
+                   for obj, dest in files for start in range(0, obj.size, PART_BYTES)]
+        try:
+            for future in futures:
+                future.result()
+        finally:  # the caller may remove the files once this returns: no part may still be writing
+            for future in futures:
+                future.cancel()
+            wait(futures)
+        for obj, dest in files:
+            fd = os.open(dest, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             self._check(obj, dest)
 
-    def _part(self, obj: RemoteObject, fd: int, start: int) -> None:
-        fs, path = self.filesystem(obj.uri)
-        end = min(start + PART_BYTES, obj.size)
-        try:
-            with store_errors(obj.uri):
-                data = _cat_range(fs, path, start, end)
-        except AdapterStoreUnavailable as e:
-            if any(_is_past_end(error) for error in _chain(e.__cause__)):
-                raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)",
-                                    retry_after_s=_STORE_RETRY_AFTER_S) from e
-            raise
-        if len(data) != end - start:
-            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
-                                retry_after_s=_STORE_RETRY_AFTER_S)
-        view = memoryview(data)
-        while view:
-            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+    def _write_part(self, obj: RemoteObject, dest: Path, start: int, end: int) -> None:
+        if self.part_process:
+            part_process.helper().fetch(obj, dest, start, end, self.timeout_s)
+        else:
+            write_part(self, obj, dest, start, end)
 
     def _check(self, obj: RemoteObject, dest: Path) -> None:
         if os.stat(dest).st_size != obj.size:
@@ -306,6 +295,30 @@ class RemoteStore:
 
     def shutdown(self) -> None:
         self._parts.shutdown()
+
+
+def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, end: int) -> None:
+    """Fetch bytes [start, end) of `obj` and write them into `dest` (already at its full size) at `start`:
+    ObjectChanged where the store holds fewer bytes than `obj` says, as another version would."""
+    fs, path = store.filesystem(obj.uri)
+    try:
+        with store_errors(obj.uri):
+            data = _cat_range(fs, path, start, end)
+    except AdapterStoreUnavailable as e:
+        if any(_is_past_end(error) for error in _chain(e.__cause__)):
+            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)",
+                                retry_after_s=_STORE_RETRY_AFTER_S) from e
+        raise
+    if len(data) != end - start:
+        raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
+                            retry_after_s=_STORE_RETRY_AFTER_S)
+    fd = os.open(dest, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, end - len(view)):]
+    finally:
+        os.close(fd)
 
 
 def _cat_range(fs, path: str, start: int, end: int) -> bytes:

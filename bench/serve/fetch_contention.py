@@ -4,16 +4,18 @@ A replica's engine steps on a thread: some Python to schedule and launch the ste
 (which frees the GIL). Fetches of remote adapters run on worker threads of the same process, and their HTTP
 reads are Python too (s3fs, aiohttp). This times a stand-in for the engine loop (`--step-python-ms` of Python,
 `--step-ops` torch calls, each of which lets go of the GIL and takes it back as a step's launches do, then
-`--step-wait-ms` asleep), under an engine process's GIL switch interval (`--switch-interval-s`), while `--downloads` adapters download at once from the emulated store
-(bench/serve/store.py) through the app's own RemoteStore.download, first in the loop's process, then in a child
-process, alternately `--repeats` times, with an idle phase first:
+`--step-wait-ms` asleep), under an engine process's GIL switch interval (`--switch-interval-s`), while
+`--downloads` adapters download at once from the emulated store (bench/serve/store.py) through the app's own
+RemoteStore.download: all in the loop's process; with their ranged GETs in the app's helper process (as a replica
+downloads), the waits and checks left in the loop's process; and all in a child process; in turn `--repeats`
+times, with an idle phase first:
 
     python -m bench.serve.fetch_contention                    # 8 downloads of 84 MB at once, 4 shards, 2 proxies
     bash bench/device/fetch_contention.sh                     # the same on the GPU machine's host
 
 Each phase reports the loop's step time (p50 / p90 / p99, ms), how late a thread that sleeps 2 ms at a time
 wakes (`gil_wait_ms`: its wait for the GIL, and for a core), and the downloads' MB/s. A child process shares
-no GIL with the loop: where the two phases differ beyond noise, the difference is the GIL's.
+no GIL with the loop: where a phase differs from it beyond noise, the difference is the GIL's.
 """
 
 from __future__ import annotations
@@ -57,15 +59,16 @@ def loops_per_ms() -> int:
     return max(1, int(n / (1e3 * (time.perf_counter() - start))))
 
 
-def download(env: dict, uris: list[str], rounds: int) -> tuple[float, int]:
-    """Each of `uris` `rounds` times, all at once on len(uris) threads: (seconds, bytes)."""
+def download(env: dict, uris: list[str], rounds: int, part_process: bool = False) -> tuple[float, int]:
+    """Each of `uris` `rounds` times, all at once on len(uris) threads: (seconds, bytes). part_process: their
+    ranged GETs in the app's helper process (app/adapters/part_process.py), as a replica runs them."""
     with mock.patch.dict(os.environ, env):
         import s3fs
 
         from app.adapters.remote import RemoteStore
 
         s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
-        store = RemoteStore([uris[0].rsplit("/", 2)[0]])
+        store = RemoteStore([uris[0].rsplit("/", 2)[0]], part_process=part_process)
         scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
         try:
             objects = [store.stat(uri) for uri in uris] * rounds
@@ -136,9 +139,11 @@ def main(argv=None) -> Path:
             uris, env = [f"{store.root}/{f.name}/{WEIGHTS_NAME}" for f in folders], store.env()
             child.apply(download, (env, uris[:1], 1))  # the child's imports and connections, before timing
             download(env, uris[:1], 1)
+            download(env, uris[:1], 1, part_process=True)  # starts the helper
             phases.append({"phase": "idle", **timed_phase(lambda: time.sleep(5.0), args, per_ms)})
             for _ in range(args.repeats):
                 for where, run in (("in the loop's process", lambda: download(env, uris, args.rounds)),
+                                   ("through the part helper", lambda: download(env, uris, args.rounds, True)),
                                    ("in a child process", lambda: child.apply(download, (env, uris, args.rounds)))):
                     phases.append({"phase": f"{args.downloads} downloads {where}", **timed_phase(run, args, per_ms)})
                     p = phases[-1]

@@ -171,7 +171,7 @@ def test_fetch_contention_times_the_loop_in_every_phase(tmp_path):
                                   "--results-dir", str(tmp_path)])
     phases = json.loads(path.read_text())["phases"]
     assert [p["phase"] for p in phases] == ["idle", "2 downloads in the loop's process",
-                                            "2 downloads in a child process"]
+                                            "2 downloads through the part helper", "2 downloads in a child process"]
     assert all(p["steps"] > 0 and p["step_ms_p50"] >= 7.0 for p in phases)  # 2 ms of Python + 7 ms asleep, at least
     assert all(p["download_mb_per_s"] > 0 for p in phases[1:])
     assert all(p["gil_wait_ms"]["wakes"] > 0 and p["gil_wait_ms"]["mean"] >= 0 for p in phases)

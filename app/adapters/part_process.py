@@ -3,13 +3,15 @@
 A download's parts go through fsspec (s3fs, aiohttp): an event loop that parses each response and copies its
 chunks in Python, at hundreds of MB/s. In the engine's process that work took the GIL from the engine thread,
 which gives the GIL up at every torch call and waits to take it back: on the H100 a decode step's host part ran
-3-4 times its own CPU time while downloads ran beside it (bench/results/h100-x1-serve-remote-uniform-rate5-store-
-cores6-stalls.json, step_totals and step_timing.stalls). Here each part is one request to a helper process,
-which fetches the range and writes it into the destination file itself; the caller's thread only waits.
+up to 4 times its own CPU time while downloads ran beside it (step_totals and step_timing.stalls in
+bench/results/h100-x1-serve-remote-uniform-rate5-store-cores6-stalls.json). Here each part is one request to a
+helper process, which fetches the range and writes it into the destination file itself; the caller's thread
+only waits.
 
 The helper is one process per parent and environment (credentials and endpoints come from the environment),
-started at the first part; it serves parts on its own threads, as many at once as callers send, and exits when
-its parent goes (its request pipe closes). Which part goes next stays with the caller (UrgentFirstPool).
+started at the first part; it serves parts on its own threads (`part_worker.py`), as many at once as callers send,
+and exits when its parent goes (its request pipe closes). Which part goes next stays with the caller
+(UrgentFirstPool).
 
 Written by hand: concurrent.futures' and multiprocessing's pools start their workers with multiprocessing, which a
 daemonic process (the engine's own process is one) may not do; this one is a plain subprocess with two pipes.
@@ -24,15 +26,14 @@ import pickle
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from app.errors import AdapterStoreUnavailable, ServingError
+from app.errors import AdapterStoreUnavailable
 
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `app`, for the helper's imports
-_HELPER_THREADS = 64  # parts served at once, over every store of the parent (each store bounds its own)
 _RETRY_AFTER_S = 5
 
 
@@ -44,7 +45,7 @@ class PartProcess:
         self._replies_read, replies_write = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
         self._process = subprocess.Popen(
-            [sys.executable, "-c", "from app.adapters.part_process import main; main()", str(requests_read),
+            [sys.executable, "-c", "from app.adapters.part_worker import main; main()", str(requests_read),
              str(replies_write)], pass_fds=(requests_read, replies_write), env=env, stdin=subprocess.DEVNULL)
         os.close(requests_read)
         os.close(replies_write)
@@ -118,49 +119,3 @@ def helper() -> PartProcess:
         if found is None or not found.alive:
             found = _helpers[key] = PartProcess()
         return found
-
-
-# --- the helper ---------------------------------------------------------------------------------------
-
-
-def main() -> None:
-    from app.adapters.remote import RemoteStore, write_part
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s adapter-parts %(levelname)s %(message)s")
-    requests = Connection(int(sys.argv[1]), writable=False)
-    replies = Connection(int(sys.argv[2]), readable=False)
-    send_lock, stores_lock = threading.Lock(), threading.Lock()
-    stores: dict[float, RemoteStore] = {}  # by timeout: the filesystems, and their connections, are reused
-    pool = ThreadPoolExecutor(max_workers=_HELPER_THREADS, thread_name_prefix="adapter-part")
-
-    def serve(part_id: int, obj, dest: str, start: int, end: int, timeout_s: float) -> None:
-        try:
-            with stores_lock:
-                store = stores.get(timeout_s) or stores.setdefault(timeout_s, RemoteStore([], timeout_s, part_process=False))
-            write_part(store, obj, Path(dest), start, end)
-            error = None
-        except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
-            error = _picklable(e)
-        data = pickle.dumps((part_id, error))
-        with send_lock:
-            replies.send_bytes(data)
-
-    while True:
-        try:
-            message = pickle.loads(requests.recv_bytes())
-        except (EOFError, OSError):
-            break  # the parent is gone, or closed its end
-        pool.submit(serve, *message)
-    pool.shutdown(wait=False, cancel_futures=True)
-    os._exit(0)  # parts still running write to files their parent no longer waits for
-
-
-def _picklable(error: BaseException) -> BaseException:
-    """The error as the caller should see it: ServingErrors keep their type, message and Retry-After."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001
-        if isinstance(error, ServingError):
-            return AdapterStoreUnavailable(error.message, retry_after_s=error.retry_after_s)
-        return AdapterStoreUnavailable(f"{type(error).__name__}: {error}", retry_after_s=_RETRY_AFTER_S)

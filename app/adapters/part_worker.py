@@ -1,0 +1,62 @@
+"""The helper process of `part_process.py`: reads (part id, object, file, start, end, timeout) requests from one
+pipe, fetches each range on a thread of its own and writes it into the file, and answers (part id, error or None)
+on the other pipe. It exits when the request pipe closes, that is when its parent goes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from app.adapters.remote import RemoteStore, write_part
+from app.errors import AdapterStoreUnavailable, ServingError
+
+_THREADS = 64  # parts served at once, over every store of the parent (each store bounds its own)
+_RETRY_AFTER_S = 5
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s adapter-parts %(levelname)s %(message)s")
+    requests = Connection(int(sys.argv[1]), writable=False)
+    replies = Connection(int(sys.argv[2]), readable=False)
+    send_lock, stores_lock = threading.Lock(), threading.Lock()
+    stores: dict[float, RemoteStore] = {}  # by timeout: the filesystems, and their connections, are reused
+    pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="adapter-part")
+
+    def serve(part_id: int, obj, dest: str, start: int, end: int, timeout_s: float) -> None:
+        try:
+            with stores_lock:
+                store = stores.get(timeout_s) or stores.setdefault(timeout_s, RemoteStore([], timeout_s,
+                                                                                          part_process=False))
+            write_part(store, obj, Path(dest), start, end)
+            error = None
+        except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
+            error = _picklable(e)
+        data = pickle.dumps((part_id, error))
+        with send_lock:
+            replies.send_bytes(data)
+
+    while True:
+        try:
+            message = pickle.loads(requests.recv_bytes())
+        except (EOFError, OSError):
+            break  # the parent is gone, or closed its end
+        pool.submit(serve, *message)
+    pool.shutdown(wait=False, cancel_futures=True)
+    os._exit(0)  # parts still running write to files their parent no longer waits for
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """The error as the caller should see it: ServingErrors keep their type, message and Retry-After."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        if isinstance(error, ServingError):
+            return AdapterStoreUnavailable(error.message, retry_after_s=error.retry_after_s)
+        return AdapterStoreUnavailable(f"{type(error).__name__}: {error}", retry_after_s=_RETRY_AFTER_S)

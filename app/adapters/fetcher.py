@@ -47,6 +47,8 @@ class RemoteFetcher:
                        "fetched_ahead_used_bytes": 0}
         self._unused_ahead: dict[CacheKey, int] = {}  # fetched ahead, not read since: key -> bytes
         self._reads_waiting: Counter[str] = Counter()  # URI -> reads under way: its download's parts go first
+        if cache is not None:
+            store.prepare_downloads()
 
     def read(self, spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
         """The adapter's file from the node cache, fetched first where the node does not hold it. A request

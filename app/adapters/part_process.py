@@ -9,9 +9,9 @@ helper process, which fetches the range and writes it into the destination file 
 only waits.
 
 The helper is one process per parent and environment (credentials and endpoints come from the environment),
-started at the first part; it serves parts on its own threads (`part_worker.py`), as many at once as callers send,
-and exits when its parent goes (its request pipe closes). Which part goes next stays with the caller
-(UrgentFirstPool).
+started by RemoteStore.prepare_downloads (a registry with a node cache calls it) or at the first part. It serves
+parts on its own threads (`part_worker.py`), as many at once as callers send, and exits when its parent goes
+(its request pipe closes). Which part goes next stays with the caller (UrgentFirstPool).
 
 Written by hand: concurrent.futures' and multiprocessing's pools start their workers with multiprocessing, which a
 daemonic process (the engine's own process is one) may not do; this one is a plain subprocess with two pipes.
@@ -35,6 +35,7 @@ from app.errors import AdapterStoreUnavailable
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `app`, for the helper's imports
 _RETRY_AFTER_S = 5
+READY = -1  # the part id of the helper's first message: its imports are done
 
 
 class PartProcess:
@@ -53,6 +54,7 @@ class PartProcess:
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._ids = itertools.count()
+        self._ready = threading.Event()
         self.alive = True
         threading.Thread(target=self._read, name="adapter-part-replies", daemon=True).start()
 
@@ -77,6 +79,10 @@ class PartProcess:
             raise AdapterStoreUnavailable(f"{obj.uri}: the download process did not answer for a part in "
                                           f"{3 * timeout_s + 30:.0f} s", retry_after_s=_RETRY_AFTER_S) from None
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the helper has started (imported what it fetches with) within `timeout_s`."""
+        return self._ready.wait(timeout_s)
+
     def close(self) -> None:
         self._requests.close()  # the helper sees its pipe close and exits
         try:
@@ -91,6 +97,9 @@ class PartProcess:
                 part_id, error = pickle.loads(replies.recv_bytes())
             except (EOFError, OSError):
                 break
+            if part_id == READY:
+                self._ready.set()
+                continue
             with self._lock:
                 future = self._pending.pop(part_id, None)
             if future is not None:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from app.adapters.part_process import READY
 from app.adapters.remote import RemoteStore, write_part
 from app.errors import AdapterStoreUnavailable, ServingError
 
@@ -27,6 +28,7 @@ def main() -> None:
     send_lock, stores_lock = threading.Lock(), threading.Lock()
     stores: dict[float, RemoteStore] = {}  # by timeout: the filesystems, and their connections, are reused
     pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="adapter-part")
+    replies.send_bytes(pickle.dumps((READY, None)))
 
     def serve(part_id: int, obj, dest: str, start: int, end: int, timeout_s: float) -> None:
         try:

@@ -232,6 +232,12 @@ class RemoteStore:
             out.setdefault(uri.rsplit("/", 1)[-1], uri)
         return out
 
+    def prepare_downloads(self) -> None:
+        """Start the helper process that downloads' ranges go through, so that the first download does not wait
+        for its start (about a second of imports); returns at once."""
+        if self.part_process:
+            part_process.helper()
+
     def download(self, obj: RemoteObject, dest: Path) -> None:
         self.download_all([(obj, dest)])
 

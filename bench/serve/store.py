@@ -247,12 +247,16 @@ class EmulatedStore:
         """One object through the app's RemoteStore.download (its ranged parts at once), as a replica fetches."""
         import s3fs
 
+        from app.adapters import part_process
         from app.adapters.remote import RemoteStore
 
         with mock.patch.dict(os.environ, self.env()):
             s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
             store = RemoteStore([uri.rsplit("/", 1)[0]])
+            store.prepare_downloads()  # as a replica's registry starts it: its start is not a download's
             try:
+                if not part_process.helper().wait_ready(60):
+                    raise RuntimeError("the app's download helper process did not start in 60 s")
                 obj = store.stat(uri)
                 with tempfile.TemporaryDirectory() as scratch:
                     t = time.perf_counter()

@@ -10,8 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from app.adapters import part_process
+from app.adapters.node_cache import NodeCache
+from app.adapters.registry import AdapterRegistry
 from app.adapters.remote import RemoteObject, RemoteStore
 from app.errors import AdapterSourceMissing, AdapterStoreUnavailable
+from adapter_helpers import BASE
 import store_helpers
 from store_helpers import silent_server
 
@@ -42,7 +45,20 @@ def test_parts_come_from_the_helper_as_from_this_process(file_server, stores, tm
         store.download(store.stat(uri), dest)
         assert dest.read_bytes() == data
     helper = part_process.helper()
-    assert helper.alive and helper._process.pid != os.getpid()
+    assert helper.alive and helper._process.pid != os.getpid() and helper.wait_ready(0)
+
+
+def test_a_registry_with_a_node_cache_starts_the_helper_before_its_first_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("PART_PROCESS_TEST", str(tmp_path))  # an environment of its own: a helper of its own
+    environment = hash(frozenset(os.environ.items()))
+    assert environment not in part_process._helpers
+    registry = AdapterRegistry(["s3://bucket/adapters"], BASE, max_rank=16,
+                               cache=NodeCache(tmp_path / "cache", 1 << 20))
+    try:
+        started = part_process._helpers[environment]
+        assert started.wait_ready(30) and part_process.helper() is started
+    finally:
+        registry.shutdown()
 
 
 def test_the_helpers_errors_keep_their_type_status_and_retry_after(file_server, stores, tmp_path):

@@ -29,6 +29,7 @@ from collections import deque
 from app.engine.stall_sampler import StallSampler
 
 WINDOW = 512  # recent steps kept for the percentiles (the summary is sent to the router every poll)
+PERCENTILES_EVERY_S = 0.5
 
 
 class GcClock:
@@ -84,6 +85,7 @@ class StepTiming:
         self._gc = gc_clock()
         self.totals["between"] = {"gaps": 0, "seconds": 0.0, "cpu_seconds": 0.0}
         self.totals["work"] = {}
+        self._percentiles: tuple[float, dict] | None = None  # (when, the recent steps' percentiles then)
 
     def observe(self, admit_s: float, before_s: float, wait_s: float, after_s: float, decode_only: bool,
                 rows: int, host_cpu_s: float = 0.0) -> None:
@@ -124,6 +126,18 @@ class StepTiming:
         totals["max_ms"] = max(totals["max_ms"], round(seconds * 1e3, 3))
 
     def summary(self) -> dict:
+        """The recent steps' percentiles (recomputed at most every PERCENTILES_EVERY_S: the router's polls ask for
+        them many times a second, on the engine thread) and the running totals (always current)."""
+        now = time.perf_counter()
+        if self._percentiles is None or now - self._percentiles[0] >= PERCENTILES_EVERY_S:
+            self._percentiles = (now, self._recent())
+        out = dict(self._percentiles[1])
+        out["totals"] = {kind: dict(values) for kind, values in self.totals.items() if kind != "work"}
+        out["totals"]["work"] = {name: dict(values) for name, values in self.totals["work"].items()}
+        out["totals"]["gc"] = self._gc.totals()
+        return out
+
+    def _recent(self) -> dict:
         out = {}
         for name, samples in (("decode", self.decode), ("mixed", self.mixed)):
             admit = [s[0] * 1e3 for s in samples]
@@ -153,9 +167,6 @@ class StepTiming:
         gaps = [g * 1e3 for g in self.gaps]
         gaps_p50, gaps_p99 = _percentiles(gaps, 0.5, 0.99)
         out["between"] = {"gaps": len(gaps), "ms_p50": gaps_p50, "ms_p99": gaps_p99}
-        out["totals"] = {kind: dict(values) for kind, values in self.totals.items() if kind != "work"}
-        out["totals"]["work"] = {name: dict(values) for name, values in self.totals["work"].items()}
-        out["totals"]["gc"] = self._gc.totals()
         if self.sampler is not None:
             out["stalls"] = self.sampler.summary()
         return out

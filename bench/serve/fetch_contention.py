@@ -117,6 +117,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--rounds", type=int, default=3, help="times each phase downloads every adapter")
     parser.add_argument("--object-mb", type=float, default=83.9)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--idle-s", type=float, default=5.0, help="the idle phase's length")
     parser.add_argument("--step-python-ms", type=float, default=2.0)
     parser.add_argument("--step-wait-ms", type=float, default=7.0, help="the GPU's share of a decode step")
     parser.add_argument("--switch-interval-s", type=float, default=SWITCH_INTERVAL_S,
@@ -140,7 +141,7 @@ def main(argv=None) -> Path:
             child.apply(download, (env, uris[:1], 1))  # the child's imports and connections, before timing
             download(env, uris[:1], 1)
             download(env, uris[:1], 1, part_process=True)  # starts the helper
-            phases.append({"phase": "idle", **timed_phase(lambda: time.sleep(5.0), args, per_ms)})
+            phases.append({"phase": "idle", **timed_phase(lambda: time.sleep(args.idle_s), args, per_ms)})
             for _ in range(args.repeats):
                 for where, run in (("in the loop's process", lambda: download(env, uris, args.rounds)),
                                    ("through the part helper", lambda: download(env, uris, args.rounds, True)),

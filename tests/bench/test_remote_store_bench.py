@@ -168,7 +168,7 @@ def test_fetch_contention_times_the_loop_in_every_phase(tmp_path):
 
     path = fetch_contention.main(["--downloads", "2", "--object-mb", "1", "--rounds", "1", "--repeats", "1",
                                   "--shards", "1", "--proxies", "1", "--latency-ms", "10", "--step-ops", "20",
-                                  "--results-dir", str(tmp_path)])
+                                  "--idle-s", "1", "--results-dir", str(tmp_path)])
     phases = json.loads(path.read_text())["phases"]
     assert [p["phase"] for p in phases] == ["idle", "2 downloads in the loop's process",
                                             "2 downloads through the part helper", "2 downloads in a child process"]

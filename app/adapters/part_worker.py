@@ -33,8 +33,9 @@ def main() -> None:
     def serve(part_id: int, obj, dest: str, start: int, end: int, timeout_s: float) -> None:
         try:
             with stores_lock:
-                store = stores.get(timeout_s) or stores.setdefault(timeout_s, RemoteStore([], timeout_s,
-                                                                                          part_process=False))
+                store = stores.get(timeout_s)
+                if store is None:
+                    store = stores[timeout_s] = RemoteStore([], timeout_s, part_process=False)
             write_part(store, obj, Path(dest), start, end)
             error = None
         except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it

@@ -28,9 +28,10 @@
 # wheelhouse that does (both in the call's carry; `bash bench/device/store_wheels.sh demo/whl-store` builds one);
 # the call stops at once where a 1 MB round trip through the emulated store fails.
 # Phases on the H100's host: wheels and the store check ~40 s; the 16 GB base ~20-25 s to write; the upload 38-53 s
-# (the DISTINCT weights files into every shard, 257 configs; 85 s with SHARDS=8); then 112-125 s to deploy the first arm
-# (the base read from a cold page cache, CUDA graphs, each replica registering the N remote adapters) and 65-72 s
-# each later one, and 35-70 s to play the trace. One call fits A and A0 at 1 replica and 192 requests
+# (the DISTINCT weights files into every shard, 257 configs; 85 s with SHARDS=8); then 107-133 s to deploy the first arm
+# (the base read from a cold page cache, CUDA graphs, each replica registering the N remote adapters; longer on a
+# fresh machine) and 65-89 s each later one, and 35-70 s to play the trace. A and A0 at 1 replica took 374-383 s
+# with 192 requests at RATE=6 or 7.5, and 430-450 s with 160 at RATE=5. One call fits A and A0 at 1 replica and 192 requests
 # (BUDGET_S=548: 494 s), all three arms at 1 replica, 128 requests and RATE=3.5 (BUDGET_S=560: 542 s) or 160
 # requests and RATE=5 (523 s; bursty-cv4's pair fitted only on a machine that had run a call before), or all three
 # arms at 2 replicas and 160 requests (478 s). The bench checks before its first

@@ -3,7 +3,7 @@
 A download's parts go through fsspec (s3fs, aiohttp): an event loop that parses each response and copies its
 chunks in Python, at hundreds of MB/s. In the engine's process that work took the GIL from the engine thread,
 which gives the GIL up at every torch call and waits to take it back: on the H100 a decode step's host part ran
-up to 4 times its own CPU time while downloads ran beside it (step_totals and step_timing.stalls in
+up to 4 times its own CPU time while downloads and host reads ran beside it (step_totals and step_timing.stalls in
 bench/results/h100-x1-serve-remote-uniform-rate5-store-cores6-stalls.json). Here each part is one request to a
 helper process, which fetches the range and writes it into the destination file itself; the caller's thread
 only waits.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
+
 
 class ServingError(Exception):
     """Base of every error a client can see. `status_code` and `error_type` drive the HTTP body."""
@@ -188,3 +191,12 @@ class AdapterCacheFull(AdapterLoadFailed):
 
     status_code = 503
     error_type = "server_error"
+
+
+def picklable(error: BaseException, otherwise: Callable[[str], ServingError] = InternalError) -> BaseException:
+    """`error` where it survives a pickle round trip (to another process), else `otherwise` of its type and text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to pickle means the same: send its text instead
+        return otherwise(f"{type(error).__name__}: {error}")

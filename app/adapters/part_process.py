@@ -34,7 +34,7 @@ from app.errors import AdapterStoreUnavailable
 
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `app`, for the helper's imports
-_RETRY_AFTER_S = 5
+RETRY_AFTER_S = 5  # what a client is told to wait when the helper fails
 READY = -1  # the part id of the helper's first message: its imports are done
 
 
@@ -63,7 +63,7 @@ class PartProcess:
         future: Future = Future()
         with self._lock:
             if not self.alive:
-                raise AdapterStoreUnavailable("the adapter download process exited", retry_after_s=_RETRY_AFTER_S)
+                raise AdapterStoreUnavailable("the adapter download process exited", retry_after_s=RETRY_AFTER_S)
             part_id = next(self._ids)
             self._pending[part_id] = future
             try:
@@ -71,24 +71,17 @@ class PartProcess:
             except OSError as e:
                 self._pending.pop(part_id)
                 raise AdapterStoreUnavailable(f"the adapter download process is gone: {e}",
-                                              retry_after_s=_RETRY_AFTER_S) from e
+                                              retry_after_s=RETRY_AFTER_S) from e
         # The store's own timeouts end a part first; this bounds a helper that stopped answering.
         try:
             future.result(timeout=3 * timeout_s + 30)
         except TimeoutError:
             raise AdapterStoreUnavailable(f"{obj.uri}: the download process did not answer for a part in "
-                                          f"{3 * timeout_s + 30:.0f} s", retry_after_s=_RETRY_AFTER_S) from None
+                                          f"{3 * timeout_s + 30:.0f} s", retry_after_s=RETRY_AFTER_S) from None
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Whether the helper has started (imported what it fetches with) within `timeout_s`."""
         return self._ready.wait(timeout_s)
-
-    def close(self) -> None:
-        self._requests.close()  # the helper sees its pipe close and exits
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
 
     def _read(self) -> None:
         replies = Connection(self._replies_read, writable=False)
@@ -113,7 +106,7 @@ class PartProcess:
             log.error("the adapter download process exited (code %s) with %d parts in flight", code, len(pending))
         for future in pending.values():
             future.set_exception(AdapterStoreUnavailable(f"the adapter download process exited (code {code})",
-                                                         retry_after_s=_RETRY_AFTER_S))
+                                                         retry_after_s=RETRY_AFTER_S))
 
 
 _helpers: dict[int, PartProcess] = {}

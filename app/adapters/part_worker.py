@@ -13,12 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from app.adapters.part_process import READY
+from app.adapters.part_process import READY, RETRY_AFTER_S
 from app.adapters.remote import RemoteStore, write_part
-from app.errors import AdapterStoreUnavailable, ServingError
+from app.errors import AdapterStoreUnavailable, picklable
 
 _THREADS = 64  # parts served at once, over every store of the parent (each store bounds its own)
-_RETRY_AFTER_S = 5
 
 
 def main() -> None:
@@ -39,7 +38,7 @@ def main() -> None:
             write_part(store, obj, Path(dest), start, end)
             error = None
         except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
-            error = _picklable(e)
+            error = picklable(e, lambda message: AdapterStoreUnavailable(message, retry_after_s=RETRY_AFTER_S))
         data = pickle.dumps((part_id, error))
         with send_lock:
             replies.send_bytes(data)
@@ -52,14 +51,3 @@ def main() -> None:
         pool.submit(serve, *message)
     pool.shutdown(wait=False, cancel_futures=True)
     os._exit(0)  # parts still running write to files their parent no longer waits for
-
-
-def _picklable(error: BaseException) -> BaseException:
-    """The error as the caller should see it: ServingErrors keep their type, message and Retry-After."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001
-        if isinstance(error, ServingError):
-            return AdapterStoreUnavailable(error.message, retry_after_s=error.retry_after_s)
-        return AdapterStoreUnavailable(f"{type(error).__name__}: {error}", retry_after_s=_RETRY_AFTER_S)

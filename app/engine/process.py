@@ -26,7 +26,7 @@ from typing import Callable
 
 from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, EngineStreams
 from app.engine.config import EngineConfig
-from app.errors import EngineUnavailable, InternalError
+from app.errors import EngineUnavailable, InternalError, picklable
 from app.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -182,15 +182,7 @@ class _ChildLoop(AsyncEngine):
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         if outputs:
             self._has_first(outputs)  # the parent's event loop has its own GIL: no need to yield it here
-            self._send(("outputs", [o if o.error is None else replace(o, error=_picklable(o.error)) for o in outputs]))
-
-
-def _picklable(error: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return InternalError(f"{type(error).__name__}: {error}")
+            self._send(("outputs", [o if o.error is None else replace(o, error=picklable(o.error)) for o in outputs]))
 
 
 def _child_main(config: EngineConfig, conn) -> None:
@@ -208,7 +200,7 @@ def _child_main(config: EngineConfig, conn) -> None:
     try:
         engine = LLMEngine(config)
     except BaseException as e:
-        send(("failed", _picklable(e)))
+        send(("failed", picklable(e)))
         return
     loop = _ChildLoop(engine, send)
     # Asides are mostly adapter validations, which wait on disks and stores: a replica syncs up to 16 at once.
@@ -217,7 +209,7 @@ def _child_main(config: EngineConfig, conn) -> None:
     def reply(call_id: int, future: Future) -> None:
         error = future.exception()
         try:
-            send(("result", (call_id, error is None, future.result() if error is None else _picklable(error))))
+            send(("result", (call_id, error is None, future.result() if error is None else picklable(error))))
         except Exception as e:  # an unpicklable result: the caller must not wait forever
             send(("result", (call_id, False, InternalError(f"the engine's reply could not be sent: {e}"))))
 

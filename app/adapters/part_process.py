@@ -34,7 +34,7 @@ from app.errors import AdapterStoreUnavailable
 
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `app`, for the helper's imports
-RETRY_AFTER_S = 5  # what a client is told to wait when the helper fails
+RETRY_AFTER_S = 5  # what a client is told to wait when the store or the helper fails
 READY = -1  # the part id of the helper's first message: its imports are done
 
 

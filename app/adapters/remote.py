@@ -39,7 +39,6 @@ _SCHEME_ALIASES = {"gcs": "gs", "s3a": "s3"}
 _URI_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.DOTALL)
 _FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\?#]")  # control characters, spaces, backslashes, queries, fragments
 PART_BYTES = 16 * 1024 * 1024  # one ranged GET of a large file; parts of one file are fetched at once
-_STORE_RETRY_AFTER_S = 5
 _S3_CONNECTIONS = 96
 
 
@@ -107,7 +106,8 @@ def describe(uri: str, info: dict) -> RemoteObject:
     """The size, version and checksum of a file from its fsspec `info` (the fields differ per store)."""
     size = info.get("size")
     if not isinstance(size, int) or size < 0:
-        raise AdapterStoreUnavailable(f"{uri}: the store gave no size for it", retry_after_s=_STORE_RETRY_AFTER_S)
+        raise AdapterStoreUnavailable(f"{uri}: the store gave no size for it",
+                                      retry_after_s=part_process.RETRY_AFTER_S)
     lfs = info.get("lfs") or {}
     checksum = None
     if isinstance(lfs, dict) and lfs.get("sha256"):  # the Hub: an LFS file's content hash
@@ -279,7 +279,7 @@ class RemoteStore:
     def _check(self, obj: RemoteObject, dest: Path) -> None:
         if os.stat(dest).st_size != obj.size:
             raise AdapterStoreUnavailable(f"{obj.uri}: downloaded {os.stat(dest).st_size} of {obj.size} bytes",
-                                          retry_after_s=_STORE_RETRY_AFTER_S)
+                                          retry_after_s=part_process.RETRY_AFTER_S)
         if obj.checksum is not None:
             algorithm, expected = obj.checksum
             digest = hashlib.new(algorithm)
@@ -291,13 +291,13 @@ class RemoteStore:
             current = self.stat(obj.uri) if obj.version.startswith("etag:") else None
             if current is None or current.version != obj.version:
                 raise ObjectChanged(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
-                                    "(the object changed?)", retry_after_s=_STORE_RETRY_AFTER_S, current=current)
+                                    "(the object changed?)", retry_after_s=part_process.RETRY_AFTER_S, current=current)
             # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
             log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
             return
         current = self.stat(obj.uri)  # no checksum: at least, the parts all came from one version
         if current.version != obj.version:
-            raise ObjectChanged(f"{obj.uri} changed", retry_after_s=_STORE_RETRY_AFTER_S, current=current)
+            raise ObjectChanged(f"{obj.uri} changed", retry_after_s=part_process.RETRY_AFTER_S, current=current)
 
     def shutdown(self) -> None:
         self._parts.shutdown()
@@ -313,11 +313,11 @@ def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, en
     except AdapterStoreUnavailable as e:
         if any(_is_past_end(error) for error in _chain(e.__cause__)):
             raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)",
-                                retry_after_s=_STORE_RETRY_AFTER_S) from e
+                                retry_after_s=part_process.RETRY_AFTER_S) from e
         raise
     if len(data) != end - start:
         raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
-                            retry_after_s=_STORE_RETRY_AFTER_S)
+                            retry_after_s=part_process.RETRY_AFTER_S)
     fd = os.open(dest, os.O_WRONLY)
     try:
         view = memoryview(data)
@@ -363,7 +363,7 @@ class store_errors:
             raise AdapterSourceDenied(f"{self.uri}: the store refused access ({_brief(fault)}); check the "
                                       "credentials in this node's environment") from error
         raise AdapterStoreUnavailable(f"{self.uri}: the store did not answer ({_brief(fault)})",
-                                      retry_after_s=_STORE_RETRY_AFTER_S) from error
+                                      retry_after_s=part_process.RETRY_AFTER_S) from error
 
 
 _DENIED = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",

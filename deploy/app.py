@@ -60,7 +60,7 @@ def replica_options(args: AppArgs) -> dict:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=AdapterAffinityRouter,
             request_router_kwargs={"spread_after_s": args.spread_after_s, "hints": args.hints,
-                                   "hint_depth": args.hint_depth, "yield_while_fetching": args.yield_while_fetching},
+                                   "hint_depth": args.hint_depth},
             request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=2.0,
             # A pending request re-checks its replica often: a freed batch row should not sit idle
             # for Serve's default 0.5 s backoff.

@@ -100,10 +100,6 @@ class AppArgs(BaseModel):
                             "those Serve routes at a time (two per replica) the router places and hints too, so that "
                             "a remote adapter's fetch starts while its request still waits; they never take a replica "
                             "ahead of an older request.")
-    yield_while_fetching: bool = Field(default=True, description="With hints, a waiting request whose adapter its "
-                                       "replica is still fetching from a remote store lets the requests for that "
-                                       "replica whose adapters are on its node go first (for 10 s at most); False "
-                                       "keeps the queue's order.")
     spread_after_s: float = Field(default=0.2, ge=0, description="A request waiting this long for a saturated replica "
                                                                  "that holds its adapter may go to a free one instead.")
     api_key: str | None = Field(default=None, description="Bearer key required on every route but /health. "

@@ -43,11 +43,9 @@ HOLD_MAX_S = 10.0  # the longest a request yields its place while its adapter is
 
 class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, spread_after_s: float = 0.2, view_refresh_s: float = 0.05, hints: bool = True,
-                         hint_depth: int = 48, yield_while_fetching: bool = True, **kwargs):
+                         hint_depth: int = 48, **kwargs):
         """hints=False places requests exactly as with hints, but sends none (the benchmark's A0 arm), and routes
-        as many requests at a time as Serve does. hint_depth: pending requests behind those that are hinted too.
-        yield_while_fetching: with hints, a request whose adapter its replica is fetching lets others go first."""
-        self.yield_while_fetching = yield_while_fetching
+        as many requests at a time as Serve does. hint_depth: pending requests behind those that are hinted too."""
         self.spread_after_s = spread_after_s
         self.hints = hints
         self.hint_depth = hint_depth if hints else 0
@@ -88,7 +86,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._pending = {rid: r for rid, r in self._pending.items() if not r.future.done()}
         rid = request.metadata.internal_request_id
         self._pending[rid] = request
-        held = self._held() if self.yield_while_fetching else {}
+        held = self._held()
         if rid in held and any(other not in held and self._waits_for(other) in (held[rid], None)
                                for other in self._pending):
             if rid not in self._held_since:

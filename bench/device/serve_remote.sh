@@ -9,9 +9,9 @@
 # the floor in the result says what it delivered. STORE_CORES (0: any core) puts the store's processes alone on
 # that many of the host's cores, and Ray, the replicas and the benchmark's client on the others, as a store
 # elsewhere would leave the node's CPU to the server.
-# Each arm of ARMS (A A0 serve_default; A_fifo: A with yield_while_fetching off) is a fresh deployment of REPLICAS
-# (1) replicas whose node cache starts empty, NODE_CACHE adapters large (default: all N); no host cache is filled
-# beforehand. The first two arms are the pair compared; a third runs where time is left. One WORKLOAD (uniform; zipf: Zipf α 1.5; bursty-cv4) of REQUESTS (192)
+# Each arm of ARMS (A A0 serve_default) is a fresh deployment of REPLICAS (1) replicas whose node cache starts empty,
+# NODE_CACHE adapters large (default: all N); no host cache is filled beforehand. The first two arms are the pair
+# compared; a third runs where time is left. One WORKLOAD (uniform; zipf: Zipf α 1.5; bursty-cv4) of REQUESTS (192)
 # at RATE (6 req/s), S-LoRA lengths x LENGTH_SCALE (0.25); per replica CAPACITY (16) max-rank adapters of device
 # memory, HOST_CACHE (48) of host cache, MAX_ONGOING (8) requests (the rest wait in the router, where hints are
 # sent), KV_GIB (12) GiB of KV cache, compile_decode off, the engine loop on a thread unless ENGINE_PROCESS=true.

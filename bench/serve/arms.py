@@ -3,7 +3,6 @@ replicas' engines counted over one run. Pure Python and numpy: no Ray, no HTTP (
 
 Arms, each a fresh deployment with the same replicas, adapter memory M and host cache:
   A              the adapter-affinity router, sending hints for requests that wait in it
-  A_fifo         A, but a request whose adapter is being fetched keeps its place (AppArgs.yield_while_fetching)
   A0             the same router and placement, no hints (AppArgs.hints = False)
   serve_default  Serve's own router (power of two choices); it sends no hints
 """
@@ -26,10 +25,9 @@ class ServeArm:
     label: str
     router: str  # AppArgs.router
     hints: bool  # AppArgs.hints: whether the router sends hints (serve_default sends none either way)
-    yield_while_fetching: bool = True  # AppArgs.yield_while_fetching (with hints only)
 
     def app_args(self) -> dict:
-        return {"router": self.router, "hints": self.hints, "yield_while_fetching": self.yield_while_fetching}
+        return {"router": self.router, "hints": self.hints}
 
     def config(self) -> dict:
         return {"label": self.label, **self.app_args()}
@@ -37,8 +35,6 @@ class ServeArm:
 
 SERVE_ARMS = {a.name: a for a in (
     ServeArm("A", "adapter affinity + hints", "adapter_affinity", hints=True),
-    ServeArm("A_fifo", "adapter affinity + hints, queue order kept while adapters are fetched", "adapter_affinity",
-             hints=True, yield_while_fetching=False),
     ServeArm("A0", "adapter affinity, no hints", "adapter_affinity", hints=False),
     ServeArm("serve_default", "Serve's default router", "serve_default", hints=False),
 )}

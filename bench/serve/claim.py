@@ -327,7 +327,7 @@ class Claim:
             "host_cache_adapters": args.host_cache_adapters, "pool": self.pools[workload],
             "max_ongoing_requests": app.max_ongoing_requests or 2 * app.max_batch_size,
             "max_batch_size": app.max_batch_size, "compile_decode": app.compile_decode,
-            "app_args": app.model_dump(exclude={"router", "hints", "yield_while_fetching", "api_key", "adapters"}),
+            "app_args": app.model_dump(exclude={"router", "hints", "api_key", "adapters"}),
             "arms": {a: SERVE_ARMS[a].config() for a in args.arms}, "lengths": args.lengths,
             "length_scale": args.length_scale, "rotate_s": args.rotate_s, "bursty_hot_set": args.capacity,
             "seed": args.seed, "deploy_and_warm_s": self.deploy_s, "timings_s": self.timings, "notes": notes,

@@ -137,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-words", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     claim = parser.add_argument_group("claim mode (bench/serve/claim.py): each arm a fresh deployment")
-    claim.add_argument("--arms", nargs="+", choices=list(SERVE_ARMS), help="A, A_fifo, A0 and/or serve_default, in order")
+    claim.add_argument("--arms", nargs="+", choices=list(SERVE_ARMS), help="A, A0 and/or serve_default, in order")
     claim.add_argument("--demo-dir", type=Path, help="a built demo to use instead of demo/<size> (tiny/small)")
     claim.add_argument("--capacity", type=int, default=8, help="M per replica in max-rank adapters")
     claim.add_argument("--host-cache-adapters", type=float,

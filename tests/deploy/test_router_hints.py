@@ -73,10 +73,8 @@ def test_placement_is_the_same_and_only_hints_on_sends_hints(hints):
 
 def test_app_passes_hints_to_the_router():
     for hints in (True, False):
-        config = replica_options(AppArgs(build_demo=False, hints=hints, yield_while_fetching=hints)
-                                 )["request_router_config"]
-        assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints, "hint_depth": 48,
-                                                "yield_while_fetching": hints}
+        config = replica_options(AppArgs(build_demo=False, hints=hints))["request_router_config"]
+        assert config.request_router_kwargs == {"spread_after_s": 0.2, "hints": hints, "hint_depth": 48}
 
 
 def test_a_request_routed_again_is_hinted_once_per_replica_until_it_is_accepted():
@@ -247,14 +245,6 @@ def test_a_request_whose_adapter_is_being_fetched_yields_to_one_whose_adapter_is
     assert len(route(r, requests[2])) == 1  # r2 takes r0's place at the front
     view["a"]["fetching"] = []
     assert len(route(r, requests[0])) == 1 and route(r, requests[2]) == []
-
-
-def test_without_yield_while_fetching_the_queue_keeps_its_order():
-    r, _ = router(True, hold_view(["chef"]))
-    r.yield_while_fetching = False
-    held, other = pending("chef", "r0", waited_s=10), pending("pirate", "r1", waited_s=9)
-    route(r, held), route(r, other)
-    assert len(route(r, held)) == 1
 
 
 def test_a_request_whose_adapter_is_being_fetched_goes_when_no_other_waits():

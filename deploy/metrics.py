@@ -29,8 +29,7 @@ def itl():
 def placements():
     return metrics.Counter("lora_router_placements", "Router decisions: affinity, spread, cold, base, "
                            "fallback (default routing), hint (sent to a replica), hint_deferred (held back: the "
-                           "replica's hint room was full), yielded (a request let others go first while its "
-                           "adapter was fetched to the node).", tag_keys=("outcome",))
+                           "replica's hint room was full).", tag_keys=("outcome",))
 
 
 @cache

@@ -28,7 +28,6 @@ from prefetch.hints import in_order_batches
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
-FETCHING_POLL_S = 0.1  # while adapters are on their way to the node: the router holds their requests until they are
 METRICS_EVERY_S = 0.5  # how often the engine's metrics go to Prometheus (each read takes the engine thread's time)
 ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
 HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk",
@@ -203,8 +202,7 @@ class LoRAReplica:
             try:
                 actor = await self._state()
                 stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
-                poll_s = FETCHING_POLL_S if stats.get("fetching") else POLL_TIMEOUT_S
-                reply = await actor.exchange.remote(self.uid, stats, self._known, poll_s)
+                reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
                 for batch in in_order_batches(reply["hints"]):
                     by_kind = {kind: [h for h in batch if h.get("kind", "waiting") == kind]
                                for kind in ("waiting", "incoming", "withdrawn", "ahead")}

@@ -8,12 +8,8 @@ Serve routes only the oldest pending requests at a time (two per replica), and c
 service time, shorter than a remote fetch. So with hints on, the router asks Serve for routing
 tasks for `hint_depth` more requests: those behind the front are placed and hinted `ahead` (the
 replica fetches a remote adapter to its node, and no further), and never take a replica ahead of
-an older request, unless that one yields (below). Near the front, each is hinted `waiting`, as
-before: the replica then brings the adapter to its host cache and a device slot.
-
-A request whose adapter its replica is still fetching from a remote store yields its place to requests whose
-adapters are on that replica's node: sent on, it would hold one of the replica's places while it waits for the
-download there. With no such request waiting, it goes.
+an older request. Near the front, each is hinted `waiting`, as before: the replica then brings the
+adapter to its host cache and a device slot.
 
 The view of the cluster comes from the RouterState actor (refreshed in the background) and from
 this router's own recent placements. If the actor is unavailable, requests take the default
@@ -38,7 +34,6 @@ log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
 RECENT_S = 2.0  # a replica we just sent an adapter to counts as holding it for this long
 BEHIND_RECHECK_S = 0.1  # a request behind the front is placed again this often (the front: Serve's backoff)
-HOLD_MAX_S = 10.0  # the longest a request yields its place while its adapter is fetched (see _held)
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -65,7 +60,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._deferred: dict[str, float] = {}  # internal request id -> when its hint was first held back
         self._waits_at: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, since) it waits for
         self._announced: dict[str, tuple[str, float]] = {}  # internal request id -> (spread target, when) told
-        self._held_since: dict[str, float] = {}  # internal request id -> when it first yielded its place (see _held)
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
         self._rng = random.Random()
@@ -79,44 +73,16 @@ class AdapterAffinityRouter(RequestRouter):
         return min(self.max_num_routing_tasks_cap, 2 * replicas)  # RequestRouter.max_num_routing_tasks's own
 
     def _behind_front(self, request: PendingRequest, replicas: int) -> bool:
-        """Whether `front` requests wait in this router ahead of this one: it may then only be hinted. Those behind
-        take a replica in the order they came, as with Serve's own routing, and hints stay in queue order; except
-        that a request whose adapter its replica is still fetching to the node waits behind every request for that
-        replica whose adapter is there (see `_held`)."""
+        """Whether `front` older requests wait in this router: this one may then only be hinted. Those behind
+        take a replica in the order they came, as with Serve's own routing, and hints stay in queue order."""
         self._pending = {rid: r for rid, r in self._pending.items() if not r.future.done()}
-        rid = request.metadata.internal_request_id
-        self._pending[rid] = request
-        held = self._held()
-        if rid in held and any(other not in held and self._waits_for(other) in (held[rid], None)
-                               for other in self._pending):
-            if rid not in self._held_since:
-                self._held_since[rid] = time.monotonic()
-                self._count("yielded")
-            return True
+        self._pending[request.metadata.internal_request_id] = request
         front = self._front(replicas)
         if len(self._pending) <= front:
             return False
-        key = (rid in held, request.created_at, rid)
-        older = sum((other in held, r.created_at, other) < key for other, r in self._pending.items())
+        key = (request.created_at, request.metadata.internal_request_id)
+        older = sum((r.created_at, rid) < key for rid, r in self._pending.items())
         return older >= front
-
-    def _held(self) -> dict[str, str]:
-        """The pending requests whose adapter the replica they wait for is fetching from its store, each to that
-        replica's uid. Sent on now, such a request would take one of the replica's places (max_ongoing_requests)
-        and wait there for the download, while a request whose adapter is on the node waits here for the place.
-        So it yields, for HOLD_MAX_S at most, to requests whose adapters are there; with none waiting it goes."""
-        now, held = time.monotonic(), {}
-        for rid, request in self._pending.items():
-            uid = self._waits_for(rid)
-            adapter_id = request.metadata.multiplexed_model_id
-            if uid and adapter_id and adapter_id in self._view.get(uid, {}).get("fetching", ()):
-                if now - self._held_since.get(rid, now) < HOLD_MAX_S:
-                    held[rid] = uid
-        return held
-
-    def _waits_for(self, rid: str) -> str | None:
-        """The replica a pending request waits for (or was hinted to); None before it is placed."""
-        return self._waits_at.get(rid, self._hinted.get(rid, ("",)))[0] or None
 
     # --- view -----------------------------------------------------------------------------------
 
@@ -146,7 +112,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._deferred = {rid: at for rid, at in self._deferred.items() if now - at < 60.0}
         self._waits_at = {rid: told for rid, told in self._waits_at.items() if now - told[1] < 60.0}
         self._announced = {rid: told for rid, told in self._announced.items() if now - told[1] < 60.0}
-        self._held_since = {rid: at for rid, at in self._held_since.items() if now - at < 60.0}
         for adapter_id, uids in list(self._recent.items()):
             fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
             if fresh:
@@ -286,7 +251,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._waits_at.pop(rid, None)
         self._announced.pop(rid, None)
         self._deferred.pop(rid, None)
-        self._held_since.pop(rid, None)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         """Serve calls this when a request completes, and also when a full replica turns an attempt away (Ray 2.60

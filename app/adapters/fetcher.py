@@ -39,7 +39,7 @@ class RemoteFetcher:
         self.store, self.cache, self._validate_files = store, cache, validate_files
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch")
-        self._fetching: dict[CacheKey, set[str]] = {}  # fetches ahead under way -> the adapter ids they serve
+        self._fetching: set[CacheKey] = set()
         self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
         # (URI, registered version) -> a newer version of its files, fetched and validated since
         self._newer: dict[tuple[str, str], RemoteFiles] = {}
@@ -85,12 +85,9 @@ class RemoteFetcher:
                 break
             key = self._cache_key(spec)
             with self._lock:
-                if key in self._fetching:
-                    self._fetching[key].add(spec.adapter_id)
+                if key in self._fetching or self._held(key):
                     continue
-                if self._held(key):
-                    continue
-                self._fetching[key] = {spec.adapter_id}
+                self._fetching.add(key)
             self._pool.submit(self._fetch_one, spec, key)
             started += 1
         return started
@@ -98,11 +95,6 @@ class RemoteFetcher:
     def is_cached(self, spec: AdapterSpec) -> bool:
         """Whether the node holds the adapter's files."""
         return self.cache is not None and self._held(self._cache_key(spec))
-
-    def fetching(self) -> list[str]:
-        """The adapters whose fetch ahead is under way: not on the node yet, and coming."""
-        with self._lock:
-            return sorted(set().union(*self._fetching.values()))
 
     def snapshot(self) -> dict:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
@@ -127,7 +119,7 @@ class RemoteFetcher:
             log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
         finally:
             with self._lock:
-                self._fetching.pop(key, None)
+                self._fetching.discard(key)
 
     def _held(self, key: CacheKey) -> bool:
         """Whether the node holds `key`'s copy: known here once this replica has used or fetched it (no file-system

@@ -304,10 +304,6 @@ class AdapterRegistry:
             return self.cache.snapshot()
         return self.fetcher.snapshot()
 
-    def fetching(self) -> list[str]:
-        """The remote adapters this replica is fetching to the node ahead of their requests."""
-        return [] if self.fetcher is None else self.fetcher.fetching()
-
     def on_node(self, adapter_id: str) -> bool:
         """Whether reading the adapter needs no remote fetch (local adapters: always)."""
         with self._lock:

@@ -78,7 +78,6 @@ def routing_stats(engine: EngineState) -> dict:
         "resident": snapshot["resident_adapters"],
         "loading": snapshot["loading_adapters"],
         "queued": sorted(queued),
-        "fetching": engine.registry.fetching(),  # on their way to the node: the router holds their requests back
         "running": len(running),
         "waiting": len(waiting),
         "free_slots": engine.residency.free_slots(),

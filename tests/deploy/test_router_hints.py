@@ -16,7 +16,6 @@ import pytest
 
 from deploy.app import replica_options
 from deploy.args import AppArgs
-from deploy import router as router_module
 from deploy.router import AdapterAffinityRouter
 
 
@@ -222,42 +221,3 @@ def test_a_request_behind_the_front_keeps_its_replica_unless_another_holds_its_a
     view[other]["resident"] = ["adapter4"]  # its adapter is now resident on the other: the hint moves there
     asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[4]))
     assert (first, "adapter4", "r4", "withdrawn") in actor.hints and (other, "adapter4", "r4", "ahead") in actor.hints
-
-
-def hold_view(fetching: list[str]) -> dict:
-    return {"a": {"ongoing": 2, "hint_room": 16, "fetching": fetching}}
-
-
-def route(r, request) -> list:
-    return asyncio.run(r.choose_replicas([replica("a")], request))
-
-
-def test_a_request_whose_adapter_is_being_fetched_yields_to_one_whose_adapter_is_on_the_node():
-    """One full replica: the front is two requests. r0's adapter is on its way to the node, so r0 waits behind r1
-    and r2, whose adapters are there; once its adapter is on the node, it is the oldest again."""
-    view = hold_view([])
-    r, _ = router(True, view)
-    requests = [pending(adapter_id, f"r{i}", waited_s=10 - i)
-                for i, adapter_id in enumerate(["chef", "pirate", "poet"])]
-    assert [len(route(r, request)) for request in requests] == [1, 1, 0]  # placed at "a"; r2 behind the front
-    view["a"]["fetching"] = ["chef"]
-    assert route(r, requests[0]) == []
-    assert len(route(r, requests[2])) == 1  # r2 takes r0's place at the front
-    view["a"]["fetching"] = []
-    assert len(route(r, requests[0])) == 1 and route(r, requests[2]) == []
-
-
-def test_a_request_whose_adapter_is_being_fetched_goes_when_no_other_waits():
-    r, _ = router(True, hold_view(["chef"]))
-    request = pending("chef", "r0")
-    route(r, request)  # placed at "a"
-    assert len(route(r, request)) == 1  # nobody to yield to: it takes the next place
-
-
-def test_a_request_yields_for_its_adapters_fetch_for_hold_max_s_at_most(monkeypatch):
-    r, _ = router(True, hold_view(["chef"]))
-    held, other = pending("chef", "r0", waited_s=10), pending("pirate", "r1", waited_s=9)
-    route(r, held), route(r, other)
-    assert route(r, held) == []
-    monkeypatch.setattr(router_module, "HOLD_MAX_S", 0.0)
-    assert len(route(r, held)) == 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from dataclasses import replace
 
@@ -391,21 +390,3 @@ def test_fetch_ahead_nearest_first_within_half_the_cache(s3, registries, tmp_pat
     snapshot = registry.node_snapshot()
     assert (snapshot["fetched_ahead_used"], snapshot["fetched_ahead_used_bytes"]) == (1, entry)
     assert (snapshot["downloads"], snapshot["hits"], snapshot["used_bytes"]) == (3, 2, 3 * entry)
-
-
-def test_fetching_names_the_adapters_on_their_way_until_they_are_on_the_node(s3, registries, tmp_path, monkeypatch):
-    """What a replica reports as "fetching", for the router to hold those adapters' requests back."""
-    make_adapter(tmp_path / "local" / "a", r=4)
-    uri = s3.put_folder(tmp_path / "local" / "a", "adapters/a")
-    registry = registries([s3.uri("adapters")], cache=NodeCache(tmp_path / "cache", 1 << 24))
-    registry.register("a", uri)
-    registry.register("alias", uri)  # one object under two names: one download
-    arrived, download_all = threading.Event(), registry.store.download_all
-    monkeypatch.setattr(registry.store, "download_all", lambda *args, **kwargs: (
-        arrived.wait(30), download_all(*args, **kwargs)))
-    assert registry.fetching() == []
-    assert registry.fetch_ahead(["a", "alias"]) == 1
-    assert registry.fetching() == ["a", "alias"]
-    arrived.set()
-    wait_for_fetches(registry)
-    assert registry.fetching() == [] and registry.on_node("alias")

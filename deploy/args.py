@@ -33,8 +33,9 @@ class AppArgs(BaseModel):
         "kept across restarts. Default: $XDG_CACHE_HOME/lora-serve/adapters, else ~/.cache/lora-serve/adapters.")
     adapter_cache_bytes: int = Field(default=32 * GiB, ge=1, description="Byte budget of that disk cache; least "
                                      "recently used adapters not being read are evicted beyond it.")
-    adapter_fetch_workers: int = Field(default=8, ge=1, description="Remote adapters fetched at once per replica, "
-                                       "and 16 MiB ranges fetched at once over all downloads.")
+    adapter_fetch_workers: int = Field(default=8, ge=1, description="Remote adapters fetched ahead at once per replica "
+                                       "(and as many for requests already at it), and 16 MiB ranges fetched at once "
+                                       "over all downloads.")
     adapter_fetch_timeout_s: float = Field(default=60.0, gt=0, description="Limit of one call to a store; a store "
                                            "that hangs fails the requests that need it with 503 and Retry-After.")
     build_demo: bool = Field(default=True, description="Generate the tiny demo if base_model is the demo's and missing.")

@@ -22,19 +22,21 @@ from prefetch.slot_pool import SlotPool, SlotState
 # Validated weights are finite, but a huge finite value could still overflow x @ A to inf in a slot
 # that other rows multiply by zero (inf * 0 = NaN). No trained adapter comes near this bound.
 MAX_ABS_WEIGHT = 1e6
+DOWNLOAD_POLL_S = 0.005  # how often a stalled engine looks again at an adapter still downloading to the node
 
 
 class Residency:
     def __init__(self, config, layout: PageLayout, pool: SlotPool, write_slot: WriteSlot,
                  read_parts: Callable[[str], Mapping], rank_of: Callable[[str], int], device: torch.device,
-                 dtype: torch.dtype, fetch_ahead: Callable[[list[str]], int] | None = None,
-                 on_node: Callable[[str], bool] | None = None):
+                 dtype: torch.dtype, fetch_ahead: Callable[[list[str], frozenset[str]], int] | None = None,
+                 on_node: Callable[[str], bool] | None = None, is_fetching: Callable[[str], bool] | None = None):
         """write_slot: copies a packed adapter into its device pages (LoRASlots.write_slot); runs on the copier.
         read_parts(adapter_id) -> what PageLayout.pack takes; called on disk worker threads.
         rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs.
-        fetch_ahead(adapter_ids), on_node(adapter_id): the node cache of remote adapters (AdapterRegistry):
-        start fetches, nearest need first, and whether an adapter's files are on this node."""
-        self._fetch_ahead, self._on_node = fetch_ahead, on_node
+        fetch_ahead(adapter_ids, urgent), on_node(adapter_id), is_fetching(adapter_id): the node cache of remote
+        adapters (AdapterRegistry): start fetches, nearest need first (urgent: those of requests queued here),
+        whether an adapter's files are on this node, and whether a fetch of them is under way."""
+        self._fetch_ahead, self._on_node, self._is_fetching = fetch_ahead, on_node, is_fetching
         self.layout, self.pool = layout, pool
         self.device, self.dtype = device, dtype
         self._read_parts, self._rank_of = read_parts, rank_of
@@ -103,11 +105,18 @@ class Residency:
         requests, nearest first; a hinted one enters the host and device tiers only once its files are on the
         node, so that a host read worker and arena pages never wait on the network for a request that has not
         arrived, and an `ahead` one not before its request nears the front (H100, remote store, 48 requests
-        hinted into every tier: 38 of 209 device loads evicted unused as downloads finished out of order)."""
+        hinted into every tier: 38 of 209 device loads evicted unused as downloads finished out of order).
+        A queued request's adapter whose fetch is under way is loaded once the fetch ends, not before: a load's
+        host read would hold a read worker and its arena pages for the whole download, and reads of adapters
+        already on the node would queue behind it (H100, 2 read workers: 0.34 s per read of 84 MB)."""
         if self._fetch_ahead is not None:
-            self._fetch_ahead([*queued, *hinted, *ahead])
+            self._fetch_ahead([*queued, *hinted, *ahead], frozenset(queued))
+            queued = [adapter_id for adapter_id in queued if not self._is_downloading(adapter_id)]
             hinted = [adapter_id for adapter_id in hinted if self._on_node(adapter_id)]
         self.pipeline.prefetch([*queued, *hinted], incoming, hinted_from=len(queued))
+
+    def _is_downloading(self, adapter_id: str) -> bool:
+        return self._is_fetching is not None and self._is_fetching(adapter_id)
 
     def is_loading(self) -> bool:
         return bool(self.pipeline.loads)
@@ -172,6 +181,9 @@ class Residency:
         if adapter_id is None:
             return
         if self.pool.lookup(adapter_id) is None:
+            if self._is_downloading(adapter_id):  # its load starts once the bytes are on the node (see prefetch)
+                time.sleep(DOWNLOAD_POLL_S if timeout_s is None else min(timeout_s, DOWNLOAD_POLL_S))
+                return
             victims = self._planned_load(adapter_id)
             if victims is None:  # every slot is mid-load or pinned: wait for one to settle
                 self.pipeline.wait_any(timeout_s)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,14 +32,16 @@ ValidateFiles = Callable[[str, Path, Path, Path], AdapterSpec]
 
 class RemoteFetcher:
     """Reads remote adapters through `cache` (None: the ingress's validator, which never reads weights) and
-    fetches them ahead on `workers` threads. Thread-safe: loads read on worker threads, the engine thread asks
-    `is_cached` and calls `fetch_ahead` at every step."""
+    fetches them ahead on `workers` threads, and `workers` more for requests already at the replica. Thread-safe:
+    loads read on worker threads, the engine thread asks `is_cached` and calls `fetch_ahead` at every step."""
 
     def __init__(self, store: RemoteStore, cache: NodeCache | None, workers: int, validate_files: ValidateFiles):
         self.store, self.cache, self._validate_files = store, cache, validate_files
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch")
-        self._fetching: set[CacheKey] = set()
+        self._urgent_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch-urgent")
+        self._fetching: set[CacheKey] = set()  # fetches ahead under way
+        self._urgent: set[CacheKey] = set()  # fetches under way for requests at this replica
         self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
         # (URI, registered version) -> a newer version of its files, fetched and validated since
         self._newer: dict[tuple[str, str], RemoteFiles] = {}
@@ -54,28 +56,22 @@ class RemoteFetcher:
         """The adapter's file from the node cache, fetched first where the node does not hold it. A request
         waits for this read, so its download (or the fetch ahead already under way for it) takes the store's
         connections ahead of other fetches ahead."""
-        uri = str(spec.path)
-        with self._lock:
-            self._reads_waiting[uri] += 1
-        try:
-            with self._fetched(spec) as local:
-                key = self._cache_key(spec)
-                with self._lock:
-                    if (nbytes := self._unused_ahead.pop(key, None)) is not None:
-                        self._ahead["fetched_ahead_used"] += 1
-                        self._ahead["fetched_ahead_used_bytes"] += nbytes
-                return read_adapter(local, check_finite)
-        finally:
+        with self._waited_for(str(spec.path)), self._fetched(spec) as local:
+            key = self._cache_key(spec)
             with self._lock:
-                self._reads_waiting[uri] -= 1
-                if not self._reads_waiting[uri]:
-                    del self._reads_waiting[uri]
+                if (nbytes := self._unused_ahead.pop(key, None)) is not None:
+                    self._ahead["fetched_ahead_used"] += 1
+                    self._ahead["fetched_ahead_used_bytes"] += nbytes
+            return read_adapter(local, check_finite)
 
-    def fetch_ahead(self, specs: Sequence[AdapterSpec]) -> int:
+    def fetch_ahead(self, specs: Sequence[AdapterSpec], urgent: Collection[str] = ()) -> int:
         """Start fetching `specs` (remote ones, nearest need first) into the node cache, only while those named so
         far fit in half the cache: a fetch for a request far back must not evict an adapter that a nearer one
-        needs. Returns how many fetches started. Never blocks and never raises: a failed fetch is logged, and the
-        request that needs the adapter meets the fault when its own read repeats it."""
+        needs. `urgent`: the adapter ids of requests already at this replica; their fetches have a pool of their
+        own, never queued behind fetches ahead, and their ranges go first, as a read's do (a fetch ahead of the
+        same adapter under way already is joined, and its ranges go first from then on). Returns how many
+        fetches started. Never blocks and never raises: a failed fetch is logged, and the request that needs the
+        adapter meets the fault when its own read repeats it."""
         if self.cache is None:
             return 0
         room, started = self.cache.budget_bytes // 2, 0
@@ -83,14 +79,21 @@ class RemoteFetcher:
             room -= spec.nbytes
             if room < 0:
                 break
-            key = self._cache_key(spec)
+            key, is_urgent = self._cache_key(spec), spec.adapter_id in urgent
+            running = self._urgent if is_urgent else self._fetching
             with self._lock:
-                if key in self._fetching or self._held(key):
+                if key in running or key in self._urgent or self._held(key):
                     continue
-                self._fetching.add(key)
-            self._pool.submit(self._fetch_one, spec, key)
+                running.add(key)
+            (self._urgent_pool if is_urgent else self._pool).submit(self._fetch_one, spec, key, is_urgent)
             started += 1
         return started
+
+    def is_fetching(self, spec: AdapterSpec) -> bool:
+        """Whether a fetch of the adapter (ahead, or for a request here) is under way."""
+        key = self._cache_key(spec)
+        with self._lock:
+            return key in self._fetching or key in self._urgent
 
     def is_cached(self, spec: AdapterSpec) -> bool:
         """Whether the node holds the adapter's files."""
@@ -100,26 +103,43 @@ class RemoteFetcher:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
         with self._lock:
             ahead = dict(self._ahead)
-        return {**self.cache.snapshot(), **ahead, "fetches_running": len(self._fetching)}
+        with self._lock:
+            running = len(self._fetching) + len(self._urgent)
+        return {**self.cache.snapshot(), **ahead, "fetches_running": running}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._urgent_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _fetch_one(self, spec: AdapterSpec, key: CacheKey) -> None:
+    def _fetch_one(self, spec: AdapterSpec, key: CacheKey, is_urgent: bool) -> None:
         def downloaded(nbytes: int) -> None:  # before the entry is visible: no read can come first
             with self._lock:
                 self._ahead["fetched_ahead"] += 1
                 self._ahead["fetched_ahead_bytes"] += nbytes
                 self._unused_ahead[key] = nbytes
 
+        uri = str(spec.path)
         try:
-            with self._fetched(spec, downloaded):
+            with self._waited_for(uri) if is_urgent else nullcontext(), self._fetched(spec, downloaded):
                 pass
         except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
             log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
         finally:
             with self._lock:
-                self._fetching.discard(key)
+                (self._urgent if is_urgent else self._fetching).discard(key)
+
+    @contextmanager
+    def _waited_for(self, uri: str) -> Iterator[None]:
+        """A request waits for `uri`'s bytes for the block: its download's ranges go first (see _entry)."""
+        with self._lock:
+            self._reads_waiting[uri] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reads_waiting[uri] -= 1
+                if not self._reads_waiting[uri]:
+                    del self._reads_waiting[uri]
 
     def _held(self, key: CacheKey) -> bool:
         """Whether the node holds `key`'s copy: known here once this replica has used or fetched it (no file-system

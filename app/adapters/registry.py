@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
@@ -289,14 +289,23 @@ class AdapterRegistry:
             return read_adapter(spec, check_finite)
         return self.fetcher.read(spec, check_finite)
 
-    def fetch_ahead(self, adapter_ids: Sequence[str]) -> int:
+    def fetch_ahead(self, adapter_ids: Sequence[str], urgent: Collection[str] = ()) -> int:
         """Start fetching remote adapters into the node cache, nearest need first (`adapter_ids` in the order
-        their requests should be served; local adapters are skipped). See RemoteFetcher.fetch_ahead."""
+        their requests should be served; local adapters are skipped); `urgent`: those of requests already here.
+        See RemoteFetcher.fetch_ahead."""
         if self.fetcher is None:
             return 0
         with self._lock:
             specs = [self._adapter_id_to_spec.get(adapter_id) for adapter_id in dict.fromkeys(adapter_ids)]
-        return self.fetcher.fetch_ahead([spec for spec in specs if spec is not None and spec.remote is not None])
+        return self.fetcher.fetch_ahead([spec for spec in specs if spec is not None and spec.remote is not None],
+                                        urgent)
+
+    def is_fetching(self, adapter_id: str) -> bool:
+        """Whether a fetch of the remote adapter into the node cache is under way."""
+        with self._lock:
+            spec = self._adapter_id_to_spec.get(adapter_id)
+        return spec is not None and spec.remote is not None and self.fetcher is not None and \
+            self.fetcher.is_fetching(spec)
 
     def node_snapshot(self) -> dict:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""

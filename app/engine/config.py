@@ -51,7 +51,7 @@ class EngineConfig:
     # the fetches into it. None: $XDG_CACHE_HOME/lora-serve/adapters (else ~/.cache/lora-serve/adapters).
     adapter_cache_dir: str | None = None
     adapter_cache_bytes: int = 32 * GiB
-    adapter_fetch_workers: int = 8  # adapters fetched at once, and ranges fetched at once over all downloads
+    adapter_fetch_workers: int = 8  # adapters fetched ahead at once (as many for queued ones), and ranges at once
     adapter_fetch_timeout_s: float = 60.0  # one store call's limit; a store that hangs fails with a 503
     # Diagnostics: sample where the engine thread is while a host part of its loop runs longer than this many ms
     # (app/engine/stall_sampler.py; reported in step_timing's "stalls"). 0: off.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -390,3 +391,42 @@ def test_fetch_ahead_nearest_first_within_half_the_cache(s3, registries, tmp_pat
     snapshot = registry.node_snapshot()
     assert (snapshot["fetched_ahead_used"], snapshot["fetched_ahead_used_bytes"]) == (1, entry)
     assert (snapshot["downloads"], snapshot["hits"], snapshot["used_bytes"]) == (3, 2, 3 * entry)
+
+
+def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_fetches_for_requests_here_never_wait_behind_fetches_ahead(s3, registries, tmp_path, monkeypatch):
+    for name in "ab":
+        make_adapter(tmp_path / "local" / name, r=4)
+        s3.put_folder(tmp_path / "local" / name, f"adapters/{name}")
+    registry = registries([s3.uri("adapters")], cache=NodeCache(tmp_path / "cache", 1 << 24), fetch_workers=1)
+    for name in "ab":
+        registry.register(name, s3.uri("adapters", name))
+    arrived, urgency, download_all = threading.Event(), {}, registry.store.download_all
+
+    def held_back(files, is_urgent):  # a's bytes take until `arrived` is set
+        if any("/a/" in obj.uri for obj, _ in files):
+            urgency["a"] = is_urgent
+            assert arrived.wait(30)
+        return download_all(files, is_urgent=is_urgent)
+
+    monkeypatch.setattr(registry.store, "download_all", held_back)
+    try:
+        assert registry.fetch_ahead(["a"]) == 1  # takes the one worker for fetches ahead
+        _wait_until(lambda: "a" in urgency, "a's download did not start")
+        assert not urgency["a"]()
+        # b, for a request here, has workers of its own; a request here for a joins a's download, now urgent
+        assert registry.fetch_ahead(["b", "a"], urgent={"a", "b"}) == 2
+        _wait_until(lambda: registry.on_node("b"), "b waited behind the fetch ahead")
+        _wait_until(lambda: urgency["a"](), "a's ranges did not go first")
+        assert registry.is_fetching("a") and not registry.is_fetching("b") and not registry.on_node("a")
+    finally:
+        arrived.set()
+    wait_for_fetches(registry)
+    assert registry.on_node("a") and not registry.is_fetching("a")
+    assert registry.node_snapshot()["downloads"] == 2  # a once, however many asked

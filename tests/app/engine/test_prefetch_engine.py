@@ -257,17 +257,23 @@ def test_a_hint_from_far_back_loads_nothing_until_the_request_nears_the_front(ma
 
 def test_remote_adapters_of_far_back_hints_are_fetched_to_the_node_after_nearer_ones(make_engine, manifest,
                                                                                     adapter_names):
+    """And a queued request's adapter still downloading is loaded only once it is on the node."""
     engine = make_engine(num_slots=2)
-    fetched, on_node = [], set()
-    engine.residency._fetch_ahead = fetched.append  # the registry's node-cache fetch, as for remote adapters
-    engine.residency._on_node = on_node.__contains__
+    fetched, on_node, downloading = [], set(), set()
+    # the registry's node cache, as for remote adapters
+    engine.residency._fetch_ahead = lambda adapter_ids, urgent: fetched.append((adapter_ids, urgent))
+    engine.residency._on_node, engine.residency._is_fetching = on_node.__contains__, downloading.__contains__
     queued, near, far = adapter_names[:3]
     engine.hint([], ahead=[far], ahead_ids=["r3"])
     engine.hint([near], hint_ids=["r2"])
+    downloading.add(queued)
     engine.add_request(manifest["prompts"][0], queued, greedy(2))
-    engine.step()
-    assert fetched[-1] == [queued, near, far]  # nearest first
+    for _ in range(3):
+        engine.step()
+    assert fetched[-1] == ([queued, near, far], frozenset({queued}))  # nearest first; the queued one urgent
+    assert not engine.residency.host_cache.has(queued) and engine.residency.pool.lookup(queued) is None
     assert engine.residency.pool.lookup(far) is None and far not in engine.residency.host_cache
+    downloading.clear()
     on_node.update(adapter_names)  # on the node now: the near one goes up the tiers, the far one stays
     run_all(engine, check=True)
     assert near in engine.routing_stats()["resident"] and engine.residency.pool.lookup(far) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adap
 from app.errors import AdapterInvalid, AdapterLoadFailed
 
 log = logging.getLogger(__name__)
+FAILED_FETCH_PAUSE_S = 5.0  # after a failed fetch, how long fetches ahead leave that adapter to its reads
 
 # (adapter_id, folder, weights file, config file) -> the spec of a local copy, fully checked
 ValidateFiles = Callable[[str, Path, Path, Path], AdapterSpec]
@@ -42,6 +44,7 @@ class RemoteFetcher:
         self._urgent_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch-urgent")
         self._fetching: set[CacheKey] = set()  # fetches ahead under way
         self._urgent: set[CacheKey] = set()  # fetches under way for requests at this replica
+        self._failed_at: dict[CacheKey, float] = {}  # fetches that failed -> when (time.monotonic())
         self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
         # (URI, registered version) -> a newer version of its files, fetched and validated since
         self._newer: dict[tuple[str, str], RemoteFiles] = {}
@@ -82,7 +85,7 @@ class RemoteFetcher:
             key, is_urgent = self._cache_key(spec), spec.adapter_id in urgent
             running = self._urgent if is_urgent else self._fetching
             with self._lock:
-                if key in running or key in self._urgent or self._held(key):
+                if key in running or key in self._urgent or self._held(key) or self._failed_lately(key):
                     continue
                 running.add(key)
             (self._urgent_pool if is_urgent else self._pool).submit(self._fetch_one, spec, key, is_urgent)
@@ -124,9 +127,22 @@ class RemoteFetcher:
                 pass
         except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
             log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
+            with self._lock:
+                self._failed_at[key] = time.monotonic()
         finally:
             with self._lock:
                 (self._urgent if is_urgent else self._fetching).discard(key)
+
+    def _failed_lately(self, key: CacheKey) -> bool:
+        """Whether a fetch of `key` failed less than FAILED_FETCH_PAUSE_S ago: no fetch ahead asks the store for it
+        again meanwhile, so the load of a request that wants it reads through and meets the fault itself."""
+        failed_at = self._failed_at.get(key)
+        if failed_at is None:
+            return False
+        if time.monotonic() - failed_at < FAILED_FETCH_PAUSE_S:
+            return True
+        del self._failed_at[key]
+        return False
 
     @contextmanager
     def _waited_for(self, uri: str) -> Iterator[None]:

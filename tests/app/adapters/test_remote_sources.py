@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from adapter_helpers import BASE, edit_config, edit_tensors, llama_config, make_adapter
-from app.adapters import remote
+from app.adapters import fetcher, remote
 from app.adapters.node_cache import NodeCache
 from app.adapters.registry import CONFIG_NAME, WEIGHTS_NAME, AdapterRegistry
 from app.errors import (
@@ -297,6 +297,11 @@ def test_s3_store_down_fails_only_uncached_adapters(spare_moto, monkeypatch, reg
         assert registry.fetch_ahead(["b"]) == 1  # starts, and never raises
         wait_for_fetches(registry)
     assert "fetching adapter 'b' ahead failed" in caplog.text and not registry.on_node("b")
+    # for FAILED_FETCH_PAUSE_S, no fetch asks the store for it again: the read of a request that wants it does
+    assert registry.fetch_ahead(["b"], urgent={"b"}) == 0 and not registry.is_fetching("b")
+    monkeypatch.setattr(fetcher, "FAILED_FETCH_PAUSE_S", 0.0)
+    assert registry.fetch_ahead(["b"]) == 1
+    wait_for_fetches(registry)
     assert time.monotonic() - started < 30
 
 

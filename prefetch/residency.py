@@ -108,7 +108,8 @@ class Residency:
         hinted into every tier: 38 of 209 device loads evicted unused as downloads finished out of order).
         A queued request's adapter whose fetch is under way is loaded once the fetch ends, not before: a load's
         host read would hold a read worker and its arena pages for the whole download, and reads of adapters
-        already on the node would queue behind it (H100, 2 read workers: 0.34 s per read of 84 MB)."""
+        already on the node would queue behind it (H100, 2 read workers: 0.33 s per read of
+        84 MB, the downloads' time included)."""
         if self._fetch_ahead is not None:
             self._fetch_ahead([*queued, *hinted, *ahead], frozenset(queued))
             queued = [adapter_id for adapter_id in queued if not self._is_downloading(adapter_id)]

@@ -105,9 +105,7 @@ class RemoteFetcher:
     def snapshot(self) -> dict:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
         with self._lock:
-            ahead = dict(self._ahead)
-        with self._lock:
-            running = len(self._fetching) + len(self._urgent)
+            ahead, running = dict(self._ahead), len(self._fetching) + len(self._urgent)
         return {**self.cache.snapshot(), **ahead, "fetches_running": running}
 
     def shutdown(self) -> None:

@@ -291,7 +291,8 @@ class RemoteStore:
             current = self.stat(obj.uri) if obj.version.startswith("etag:") else None
             if current is None or current.version != obj.version:
                 raise ObjectChanged(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
-                                    "(the object changed?)", retry_after_s=part_process.RETRY_AFTER_S, current=current)
+                                    "(the object changed?)", retry_after_s=part_process.RETRY_AFTER_S,
+                                    current=current)
             # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
             log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
             return

@@ -72,7 +72,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
     residency = Residency(config, layout, SlotPool(num_pages, num_slots), lora.write_slot,
                           partial(_read_parts, registry), lambda adapter_id: registry.get(adapter_id).rank,
-                          device, dtype, *((registry.fetch_ahead, registry.on_node, registry.is_fetching) if remote else ()))
+                          device, dtype,
+                          *((registry.fetch_ahead, registry.on_node, registry.is_fetching) if remote else ()))
     blocks = BlockManager(kv_cache_blocks(config, model.config, dtype, device, max_model_len), config.block_size)
     cache = PagedKVCache.for_model(model.config, blocks.num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, lora, blocks, cache, config.max_batch_size, max_model_len,

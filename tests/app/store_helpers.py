@@ -1,6 +1,6 @@
 """Real remote stores for the remote-adapter tests, each on a free localhost port: moto's S3 server (a process
 per test session, and spare ones that a test may stop), an HTTP file server (a thread) and a server that accepts
-connections and never answers."""
+connections and never answers; and registries over them."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from adapter_helpers import BASE
+from app.adapters.registry import AdapterRegistry
 
 # The GPU machine's image runs `pytest -m gpu` over tests/app without the test extra: skip, do not fail, there.
 boto3 = pytest.importorskip("boto3")
@@ -234,3 +237,23 @@ def file_server(tmp_path):
     yield server
     server.stop()
 
+
+@pytest.fixture
+def registries():
+    """Makes registries (max_rank 16 over BASE unless told), and shuts their fetch threads down after the test."""
+    made = []
+
+    def make(roots, base=BASE, **kwargs) -> AdapterRegistry:
+        made.append(AdapterRegistry(roots, base, max_rank=16, **kwargs))
+        return made[-1]
+
+    yield make
+    for registry in made:
+        registry.shutdown()
+
+
+def wait_for_fetches(registry: AdapterRegistry, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while registry.node_snapshot()["fetches_running"]:
+        assert time.monotonic() < deadline, "fetches ahead did not finish"
+        time.sleep(0.01)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from dataclasses import replace
 
@@ -17,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from adapter_helpers import BASE, edit_config, edit_tensors, llama_config, make_adapter
+from adapter_helpers import edit_config, edit_tensors, llama_config, make_adapter
 from app.adapters import fetcher, remote
 from app.adapters.node_cache import NodeCache
-from app.adapters.registry import CONFIG_NAME, WEIGHTS_NAME, AdapterRegistry
+from app.adapters.registry import CONFIG_NAME, WEIGHTS_NAME
 from app.errors import (
     AdapterConfigMismatch,
     AdapterFormatError,
@@ -34,25 +33,12 @@ from app.errors import (
 )
 from deploy.args import AppArgs
 import store_helpers
-from store_helpers import silent_server, use_s3_endpoint
+from store_helpers import silent_server, use_s3_endpoint, wait_for_fetches
 
 
-moto_server, s3, spare_moto, file_server = (  # the stores' fixtures, under their names
-    store_helpers.moto_server, store_helpers.s3, store_helpers.spare_moto, store_helpers.file_server)
-
-
-@pytest.fixture
-def registries():
-    """Makes registries (max_rank 16 over BASE unless told), and shuts their fetch threads down after the test."""
-    made = []
-
-    def make(roots, base=BASE, **kwargs) -> AdapterRegistry:
-        made.append(AdapterRegistry(roots, base, max_rank=16, **kwargs))
-        return made[-1]
-
-    yield make
-    for registry in made:
-        registry.shutdown()
+moto_server, s3, spare_moto, file_server, registries = (  # the fixtures, under their names
+    store_helpers.moto_server, store_helpers.s3, store_helpers.spare_moto, store_helpers.file_server,
+    store_helpers.registries)
 
 
 def assert_same_bytes(got, expected) -> None:
@@ -64,13 +50,6 @@ def assert_same_bytes(got, expected) -> None:
         assert (got_rank, got_scale, got_a.dtype) == (rank, scale, a.dtype)
         assert torch.equal(got_a.view(torch.uint8), a.view(torch.uint8))
         assert torch.equal(got_b.view(torch.uint8), b.view(torch.uint8))
-
-
-def wait_for_fetches(registry: AdapterRegistry, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while registry.node_snapshot()["fetches_running"]:
-        assert time.monotonic() < deadline, "fetches ahead did not finish"
-        time.sleep(0.01)
 
 
 # --- S3 -------------------------------------------------------------------------------------------
@@ -368,70 +347,3 @@ def test_app_args_discover_the_adapters_in_a_bucket(s3, demo_dir, tmp_path):
         make_adapter(tmp_path / "local" / name, r=4)
     found = AppArgs(adapter_roots=[s3.uri("adapters"), str(tmp_path / "local")]).initial_adapters()
     assert found == {**{name: s3.uri("adapters", name) for name in names}, "extra": str(tmp_path / "local" / "extra")}
-
-
-def test_fetch_ahead_nearest_first_within_half_the_cache(s3, registries, tmp_path):
-    make_adapter(tmp_path / "here" / "here", r=4)
-    for name in "abcd":
-        make_adapter(tmp_path / "local" / name, r=4)
-        s3.put_folder(tmp_path / "local" / name, f"adapters/{name}")
-    weights = (tmp_path / "local" / "a" / WEIGHTS_NAME).stat().st_size
-    entry = weights + (tmp_path / "local" / "a" / CONFIG_NAME).stat().st_size
-    cache = NodeCache(tmp_path / "cache", 4 * weights + 1)  # half of it: two adapters' weights
-    registry = registries([tmp_path / "here", s3.uri("adapters")], cache=cache, fetch_workers=1)
-    registry.register("here", "here")
-    for name in "abcd":
-        registry.register(name, s3.uri("adapters", name))
-    assert registries([s3.uri("adapters")]).fetch_ahead(["a"]) == 0  # no node cache: nothing to fetch into
-    assert registry.fetch_ahead(["c", "here", "unknown", "a", "c", "d", "b"]) == 2
-    wait_for_fetches(registry)
-    assert [registry.on_node(name) for name in ("a", "b", "c", "d", "here")] == [True, False, True, False, True]
-    snapshot = registry.node_snapshot()
-    ahead = (snapshot["fetched_ahead"], snapshot["fetched_ahead_bytes"], snapshot["fetched_ahead_used"])
-    assert ahead == (2, 2 * entry, 0)  # fetches count both files' bytes
-    assert registry.fetch_ahead(["c", "a"]) == 0  # on the node already
-    registry.read(registry.get("c"))
-    registry.read(registry.get("c"))
-    registry.read(registry.get("d"))
-    snapshot = registry.node_snapshot()
-    assert (snapshot["fetched_ahead_used"], snapshot["fetched_ahead_used_bytes"]) == (1, entry)
-    assert (snapshot["downloads"], snapshot["hits"], snapshot["used_bytes"]) == (3, 2, 3 * entry)
-
-
-def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
-def test_fetches_for_requests_here_never_wait_behind_fetches_ahead(s3, registries, tmp_path, monkeypatch):
-    for name in "ab":
-        make_adapter(tmp_path / "local" / name, r=4)
-        s3.put_folder(tmp_path / "local" / name, f"adapters/{name}")
-    registry = registries([s3.uri("adapters")], cache=NodeCache(tmp_path / "cache", 1 << 24), fetch_workers=1)
-    for name in "ab":
-        registry.register(name, s3.uri("adapters", name))
-    arrived, urgency, download_all = threading.Event(), {}, registry.store.download_all
-
-    def held_back(files, is_urgent):  # a's bytes take until `arrived` is set
-        if any("/a/" in obj.uri for obj, _ in files):
-            urgency["a"] = is_urgent
-            assert arrived.wait(30)
-        return download_all(files, is_urgent=is_urgent)
-
-    monkeypatch.setattr(registry.store, "download_all", held_back)
-    try:
-        assert registry.fetch_ahead(["a"]) == 1  # takes the one worker for fetches ahead
-        _wait_until(lambda: "a" in urgency, "a's download did not start")
-        assert not urgency["a"]()
-        # b, for a request here, has workers of its own; a request here for a joins a's download, now urgent
-        assert registry.fetch_ahead(["b", "a"], urgent={"a", "b"}) == 2
-        _wait_until(lambda: registry.on_node("b"), "b waited behind the fetch ahead")
-        _wait_until(lambda: urgency["a"](), "a's ranges did not go first")
-        assert registry.is_fetching("a") and not registry.is_fetching("b") and not registry.on_node("a")
-    finally:
-        arrived.set()
-    wait_for_fetches(registry)
-    assert registry.on_node("a") and not registry.is_fetching("a")
-    assert registry.node_snapshot()["downloads"] == 2  # a once, however many asked

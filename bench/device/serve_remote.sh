@@ -34,7 +34,8 @@
 # with 192 requests at RATE=6 or 7.5, and 430-450 s with 160 at RATE=5. One call fits A and A0 at 1 replica and 192 requests
 # (BUDGET_S=548: 494 s), all three arms at 1 replica, 128 requests and RATE=3.5 (BUDGET_S=560: 542 s) or 160
 # requests and RATE=5 (523 s; bursty-cv4's pair fitted only on a machine that had run a call before), or all three
-# arms at 2 replicas and 160 requests (478 s). The bench checks before its first
+# arms at 2 replicas and 160 requests (478 s). A and A0 with LENGTH_SCALE=0.5 at RATE=5 took 426-512 s; where the
+# upload took 53 s and the first deploy 145 s (264 s in), the Zipf pair did not fit. The bench checks before its first
 # run that both arms of the pair fit BUDGET_S (520, from the call's start), and starts no run that would end past
 # it. The call ends by 560 s.
 # Results: bench/results/<slug>-serve-remote-<workload><TAG>.json, with the store's measured floor, copied to $OUT

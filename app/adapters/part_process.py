@@ -9,7 +9,10 @@ helper process, which fetches the range and writes it into the destination file 
 only waits.
 
 The helper is one process per parent and environment (credentials and endpoints come from the environment),
-started by RemoteStore.prepare_downloads (a registry with a node cache calls it) or at the first part. It serves
+started by RemoteStore.prepare_downloads (a registry with a node cache calls it) or at the first part.
+prepare_downloads also has it make its clients for the remote roots then: an S3 client loads botocore's
+service model, which took the first download 0.35 s longer on 2 CPU cores, and ~1 s on the H100's busy host,
+than the next. It serves
 parts on its own threads (`part_worker.py`), as many at once as callers send, and exits when its parent goes
 (its request pipe closes). Which part goes next stays with the caller (UrgentFirstPool).
 
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `app`, for the helper's imports
 RETRY_AFTER_S = 5  # what a client is told to wait when the store or the helper fails
 READY = -1  # the part id of the helper's first message: its imports are done
+PREPARED = -2  # the part id of `prepare`'s request and of its answer: the clients for the roots are made
 
 
 class PartProcess:
@@ -54,7 +58,7 @@ class PartProcess:
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._ids = itertools.count()
-        self._ready = threading.Event()
+        self._ready, self._prepared = threading.Event(), threading.Event()
         self.alive = True
         threading.Thread(target=self._read, name="adapter-part-replies", daemon=True).start()
 
@@ -79,6 +83,18 @@ class PartProcess:
             raise AdapterStoreUnavailable(f"{obj.uri}: the download process did not answer for a part in "
                                           f"{3 * timeout_s + 30:.0f} s", retry_after_s=RETRY_AFTER_S) from None
 
+    def prepare(self, roots: tuple[str, ...], timeout_s: float) -> None:
+        """Have the helper make its filesystems and clients for `roots` (a store's, with its `timeout_s`) now,
+        instead of at the first part; returns at once. A root it cannot prepare is logged there, and its parts
+        meet the fault themselves."""
+        with self._lock:
+            if self.alive:
+                self._requests.send_bytes(pickle.dumps((PREPARED, tuple(roots), timeout_s)))
+
+    def wait_prepared(self, timeout_s: float) -> bool:
+        """Whether the helper has answered a `prepare` within `timeout_s`."""
+        return self._prepared.wait(timeout_s)
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Whether the helper has started (imported what it fetches with) within `timeout_s`."""
         return self._ready.wait(timeout_s)
@@ -90,8 +106,8 @@ class PartProcess:
                 part_id, error = pickle.loads(replies.recv_bytes())
             except (EOFError, OSError):
                 break
-            if part_id == READY:
-                self._ready.set()
+            if part_id in (READY, PREPARED):
+                (self._ready if part_id == READY else self._prepared).set()
                 continue
             with self._lock:
                 future = self._pending.pop(part_id, None)

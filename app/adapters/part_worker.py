@@ -1,6 +1,7 @@
 """The helper process of `part_process.py`: reads (part id, object, file, start, end, timeout) requests from one
 pipe, fetches each range on a thread of its own and writes it into the file, and answers (part id, error or None)
-on the other pipe. It exits when the request pipe closes, that is when its parent goes."""
+on the other pipe; a (PREPARED, roots, timeout) request makes the clients for those roots, answered (PREPARED,
+None). It exits when the request pipe closes, that is when its parent goes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from app.adapters.part_process import READY, RETRY_AFTER_S
+from app.adapters.part_process import PREPARED, READY, RETRY_AFTER_S
 from app.adapters.remote import RemoteStore, write_part
 from app.errors import AdapterStoreUnavailable, picklable
 
@@ -29,13 +30,28 @@ def main() -> None:
     pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="adapter-part")
     replies.send_bytes(pickle.dumps((READY, None)))
 
+    def store_for(timeout_s: float) -> RemoteStore:
+        with stores_lock:
+            store = stores.get(timeout_s)
+            if store is None:
+                store = stores[timeout_s] = RemoteStore([], timeout_s, part_process=False)
+            return store
+
+    def prepare(_: int, roots: tuple[str, ...], timeout_s: float) -> None:
+        store = store_for(timeout_s)
+        for root in roots:
+            try:
+                fs, _ = store.filesystem(root)
+                if root.startswith("s3://"):
+                    fs.connect()  # the client, and botocore's service model with it; no request to the store
+            except Exception as e:  # noqa: BLE001 - a warm-up only: the root's parts meet the fault themselves
+                logging.getLogger(__name__).warning("preparing the client for %s failed: %s", root, e)
+        with send_lock:
+            replies.send_bytes(pickle.dumps((PREPARED, None)))
+
     def serve(part_id: int, obj, dest: str, start: int, end: int, timeout_s: float) -> None:
         try:
-            with stores_lock:
-                store = stores.get(timeout_s)
-                if store is None:
-                    store = stores[timeout_s] = RemoteStore([], timeout_s, part_process=False)
-            write_part(store, obj, Path(dest), start, end)
+            write_part(store_for(timeout_s), obj, Path(dest), start, end)
             error = None
         except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
             error = picklable(e, lambda message: AdapterStoreUnavailable(message, retry_after_s=RETRY_AFTER_S))
@@ -48,6 +64,6 @@ def main() -> None:
             message = pickle.loads(requests.recv_bytes())
         except (EOFError, OSError):
             break  # the parent is gone, or closed its end
-        pool.submit(serve, *message)
+        pool.submit(prepare if message[0] == PREPARED else serve, *message)
     pool.shutdown(wait=False, cancel_futures=True)
     os._exit(0)  # parts still running write to files their parent no longer waits for

@@ -233,10 +233,11 @@ class RemoteStore:
         return out
 
     def prepare_downloads(self) -> None:
-        """Start the helper process that downloads' ranges go through, so that the first download does not wait
-        for its start (about a second of imports); returns at once."""
+        """Start the helper process that downloads' ranges go through, and have it make its clients for the
+        remote roots, so that the first download waits for neither (about a second of imports, and up to a second
+        for an S3 client); returns at once."""
         if self.part_process:
-            part_process.helper()
+            part_process.helper().prepare(self.roots, self.timeout_s)
 
     def download(self, obj: RemoteObject, dest: Path) -> None:
         self.download_all([(obj, dest)])

@@ -253,9 +253,9 @@ class EmulatedStore:
         with mock.patch.dict(os.environ, self.env()):
             s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
             store = RemoteStore([uri.rsplit("/", 1)[0]])
-            store.prepare_downloads()  # as a replica's registry starts it: its start is not a download's
+            store.prepare_downloads()  # as a replica's registry does: the helper's start is not a download's
             try:
-                if not part_process.helper().wait_ready(60):
+                if not part_process.helper().wait_prepared(60):
                     raise RuntimeError("the app's download helper process did not start in 60 s")
                 obj = store.stat(uri)
                 with tempfile.TemporaryDirectory() as scratch:

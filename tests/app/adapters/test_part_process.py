@@ -48,7 +48,8 @@ def test_parts_come_from_the_helper_as_from_this_process(file_server, stores, tm
     assert helper.alive and helper._process.pid != os.getpid() and helper.wait_ready(0)
 
 
-def test_a_registry_with_a_node_cache_starts_the_helper_before_its_first_download(tmp_path, monkeypatch):
+def test_a_registry_with_a_node_cache_starts_the_helper_and_its_clients_before_its_first_download(tmp_path,
+                                                                                               monkeypatch):
     monkeypatch.setenv("PART_PROCESS_TEST", str(tmp_path))  # an environment of its own: a helper of its own
     environment = hash(frozenset(os.environ.items()))
     assert environment not in part_process._helpers
@@ -57,6 +58,7 @@ def test_a_registry_with_a_node_cache_starts_the_helper_before_its_first_downloa
     try:
         started = part_process._helpers[environment]
         assert started.wait_ready(30) and part_process.helper() is started
+        assert started.wait_prepared(30)  # its S3 client made, with no store to ask: no request goes out for it
     finally:
         registry.shutdown()
 

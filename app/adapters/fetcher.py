@@ -124,7 +124,8 @@ class RemoteFetcher:
             with self._waited_for(uri) if is_urgent else nullcontext(), self._fetched(spec, downloaded):
                 pass
         except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
-            log.warning("fetching adapter %r ahead failed: %s", spec.adapter_id, e)
+            log.warning("fetching adapter %r %s failed: %s", spec.adapter_id,
+                        "for a request queued here" if is_urgent else "ahead", e)
             with self._lock:
                 self._failed_at[key] = time.monotonic()
         finally:

@@ -279,8 +279,10 @@ def test_s3_store_down_fails_only_uncached_adapters(spare_moto, monkeypatch, reg
     # for FAILED_FETCH_PAUSE_S, no fetch asks the store for it again: the read of a request that wants it does
     assert registry.fetch_ahead(["b"], urgent={"b"}) == 0 and not registry.is_fetching("b")
     monkeypatch.setattr(fetcher, "FAILED_FETCH_PAUSE_S", 0.0)
-    assert registry.fetch_ahead(["b"]) == 1
-    wait_for_fetches(registry)
+    with caplog.at_level(logging.WARNING, logger="app.adapters.fetcher"):
+        assert registry.fetch_ahead(["b"], urgent={"b"}) == 1
+        wait_for_fetches(registry)
+    assert "fetching adapter 'b' for a request queued here failed" in caplog.text
     assert time.monotonic() - started < 30
 
 

@@ -11,8 +11,8 @@ only waits.
 The helper is one process per parent and environment (credentials and endpoints come from the environment),
 started by RemoteStore.prepare_downloads (a registry with a node cache calls it) or at the first part.
 prepare_downloads also has it make its clients for the remote roots then: an S3 client loads botocore's
-service model, which took the first download 0.35 s longer on 2 CPU cores, and ~1 s on the H100's busy host,
-than the next. It serves
+service model, which made the first download 0.3-0.4 s slower than the next on 2 CPU cores, and 0.8-1.9 s on
+the H100's host. It serves
 parts on its own threads (`part_worker.py`), as many at once as callers send, and exits when its parent goes
 (its request pipe closes). Which part goes next stays with the caller (UrgentFirstPool).
 
@@ -89,7 +89,10 @@ class PartProcess:
         meet the fault themselves."""
         with self._lock:
             if self.alive:
-                self._requests.send_bytes(pickle.dumps((PREPARED, tuple(roots), timeout_s)))
+                try:
+                    self._requests.send_bytes(pickle.dumps((PREPARED, tuple(roots), timeout_s)))
+                except OSError:  # the helper is exiting: its reader marks it dead, and the next part starts another
+                    pass
 
     def wait_prepared(self, timeout_s: float) -> bool:
         """Whether the helper has answered a `prepare` within `timeout_s`."""

@@ -18,6 +18,7 @@ from app.adapters.part_process import PREPARED, READY, RETRY_AFTER_S
 from app.adapters.remote import RemoteStore, write_part
 from app.errors import AdapterStoreUnavailable, picklable
 
+log = logging.getLogger(__name__)
 _THREADS = 64  # parts served at once, over every store of the parent (each store bounds its own)
 
 
@@ -45,7 +46,7 @@ def main() -> None:
                 if root.startswith("s3://"):
                     fs.connect()  # the client, and botocore's service model with it; no request to the store
             except Exception as e:  # noqa: BLE001 - a warm-up only: the root's parts meet the fault themselves
-                logging.getLogger(__name__).warning("preparing the client for %s failed: %s", root, e)
+                log.warning("preparing the client for %s failed: %s", root, e)
         with send_lock:
             replies.send_bytes(pickle.dumps((PREPARED, None)))
 

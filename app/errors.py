@@ -180,10 +180,15 @@ class AdapterSourceDenied(AdapterInvalid):
 
 
 class AdapterStoreUnavailable(AdapterLoadFailed):
-    """A remote store is down, slow or gave inconsistent bytes; only adapters not cached on the node fail."""
+    """A remote store is down, slow or gave inconsistent bytes; only adapters not cached on the node fail. The
+    client is told to retry after RETRY_AFTER_S unless told otherwise."""
 
     status_code = 503
     error_type = "server_error"
+    RETRY_AFTER_S = 5
+
+    def __init__(self, message: str, *, retry_after_s: float | None = RETRY_AFTER_S):
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class AdapterCacheFull(AdapterLoadFailed):

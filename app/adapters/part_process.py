@@ -37,7 +37,6 @@ from app.errors import AdapterStoreUnavailable
 
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `app`, for the helper's imports
-RETRY_AFTER_S = 5  # what a client is told to wait when the store or the helper fails
 READY = -1  # the part id of the helper's first message: its imports are done
 PREPARED = -2  # the part id of `prepare`'s request and of its answer: the clients for the roots are made
 
@@ -67,21 +66,20 @@ class PartProcess:
         future: Future = Future()
         with self._lock:
             if not self.alive:
-                raise AdapterStoreUnavailable("the adapter download process exited", retry_after_s=RETRY_AFTER_S)
+                raise AdapterStoreUnavailable("the adapter download process exited")
             part_id = next(self._ids)
             self._pending[part_id] = future
             try:
                 self._requests.send_bytes(pickle.dumps((part_id, obj, str(dest), start, end, timeout_s)))
             except OSError as e:
                 self._pending.pop(part_id)
-                raise AdapterStoreUnavailable(f"the adapter download process is gone: {e}",
-                                              retry_after_s=RETRY_AFTER_S) from e
+                raise AdapterStoreUnavailable(f"the adapter download process is gone: {e}") from e
         # The store's own timeouts end a part first; this bounds a helper that stopped answering.
         try:
             future.result(timeout=3 * timeout_s + 30)
         except TimeoutError:
             raise AdapterStoreUnavailable(f"{obj.uri}: the download process did not answer for a part in "
-                                          f"{3 * timeout_s + 30:.0f} s", retry_after_s=RETRY_AFTER_S) from None
+                                          f"{3 * timeout_s + 30:.0f} s") from None
 
     def prepare(self, roots: tuple[str, ...], timeout_s: float) -> None:
         """Have the helper make its filesystems and clients for `roots` (a store's, with its `timeout_s`) now,
@@ -124,8 +122,7 @@ class PartProcess:
         if pending:
             log.error("the adapter download process exited (code %s) with %d parts in flight", code, len(pending))
         for future in pending.values():
-            future.set_exception(AdapterStoreUnavailable(f"the adapter download process exited (code {code})",
-                                                         retry_after_s=RETRY_AFTER_S))
+            future.set_exception(AdapterStoreUnavailable(f"the adapter download process exited (code {code})"))
 
 
 _helpers: dict[int, PartProcess] = {}

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from app.adapters.part_process import PREPARED, READY, RETRY_AFTER_S
+from app.adapters.part_process import PREPARED, READY
 from app.adapters.remote import RemoteStore, write_part
 from app.errors import AdapterStoreUnavailable, picklable
 
@@ -55,7 +55,7 @@ def main() -> None:
             write_part(store_for(timeout_s), obj, Path(dest), start, end)
             error = None
         except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
-            error = picklable(e, lambda message: AdapterStoreUnavailable(message, retry_after_s=RETRY_AFTER_S))
+            error = picklable(e, AdapterStoreUnavailable)
         data = pickle.dumps((part_id, error))
         with send_lock:
             replies.send_bytes(data)

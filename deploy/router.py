@@ -8,7 +8,7 @@ Serve routes only the oldest pending requests at a time (two per replica), and c
 service time, shorter than a remote fetch. So with hints on, the router asks Serve for routing
 tasks for `hint_depth` more requests: those behind the front are placed and hinted `ahead` (the
 replica fetches a remote adapter to its node, and no further), and never take a replica ahead of
-an older request. Near the front, each is hinted `waiting`, as before: the replica then brings the
+an older request. Near the front, each is hinted `waiting`: the replica then brings the
 adapter to its host cache and a device slot.
 
 The view of the cluster comes from the RouterState actor (refreshed in the background) and from
@@ -22,18 +22,47 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deploy.state import find_router_state
-from prefetch.placement import Placement, ReplicaLoad, can_hint, place
+from routing.placement import Placement, ReplicaLoad, can_hint, place
+from routing.wire import Hint, HintKind, ReplicaStats
 
 log = logging.getLogger("ray.serve")
 VIEW_STALE_S = 2.0
 RECENT_S = 2.0  # a replica we just sent an adapter to counts as holding it for this long
 BEHIND_RECHECK_S = 0.1  # a request behind the front is placed again this often (the front: Serve's backoff)
+FORGET_AFTER_S = 60.0  # a request not routed for this long was cancelled: its record goes
+
+
+@dataclass
+class Waiting:
+    """What the router keeps of one pending request, from its first routing attempt until a replica accepts it.
+    Kept while a full replica turns it away, so that the replica it waits for is not hinted again."""
+
+    request: PendingRequest
+    adapter_id: str | None
+    seen_at: float = 0.0  # its last routing attempt
+    # Serve routes it now. Cleared once it goes to a replica: if that replica turns it away, Serve queues it again
+    # with a new future but may give it no routing task while all tasks hold requests behind it, so it counts in
+    # the queue order only from its next routing attempt (else those requests would wait for it, and it for them).
+    routing: bool = True
+    hinted_to: str | None = None  # the replica that holds its hint
+    is_ahead: bool = False  # that hint is AHEAD: the request is far back in the queue
+    holds_room: bool = False  # its WAITING hint counts against hinted_to's hint room (it has not been sent on)
+    deferred: bool = False  # its hint is held back for lack of hint room (counted once)
+    waits_for: str | None = None  # the full replica it waits for
+    spread_to: str | None = None  # the replica told (INCOMING) that it may spread there
+
+    @property
+    def order(self) -> tuple[float, str]:
+        return self.request.created_at, self.request.metadata.internal_request_id
+
+    def forget_hint(self) -> None:
+        self.hinted_to, self.is_ahead, self.holds_room = None, False, False
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -44,22 +73,12 @@ class AdapterAffinityRouter(RequestRouter):
         self.spread_after_s = spread_after_s
         self.hints = hints
         self.hint_depth = hint_depth if hints else 0
-        self._pending: dict[str, PendingRequest] = {}  # internal request id -> request waiting here, to order them
-        self._ahead: set[str] = set()  # internal request ids hinted far back ("ahead"), not yet near the front
+        self._requests: dict[str, Waiting] = {}  # internal request id -> what is kept of it until a replica accepts it
         self.view_refresh_s = view_refresh_s
-        self._view: dict[str, dict] = {}
+        self._view: dict[str, ReplicaStats] = {}
         self._view_at = 0.0
         self._actor = None
         self._refresh_task: asyncio.Task | None = None
-        # Kept until the replica accepts the request (or 60 s): a request that a full replica turns away waits
-        # again, and the replica it waits for already has its hint.
-        self._hinted: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, when) hinted
-        # The hint budget: requests still waiting in this router whose "waiting" hint a replica holds. A request
-        # leaves it when it is sent on (the replica then counts its adapter as busy in hint_room).
-        self._waiting_hints: dict[str, dict[str, str]] = {}  # replica uid -> {internal request id: adapter}
-        self._deferred: dict[str, float] = {}  # internal request id -> when its hint was first held back
-        self._waits_at: dict[str, tuple[str, float]] = {}  # internal request id -> (replica uid, since) it waits for
-        self._announced: dict[str, tuple[str, float]] = {}  # internal request id -> (spread target, when) told
         self._recent: dict[str, dict[str, float]] = {}  # adapter -> {replica uid: last placement}
         self._outcomes = None
         self._rng = random.Random()
@@ -72,17 +91,25 @@ class AdapterAffinityRouter(RequestRouter):
     def _front(self, replicas: int) -> int:
         return min(self.max_num_routing_tasks_cap, 2 * replicas)  # RequestRouter.max_num_routing_tasks's own
 
-    def _behind_front(self, request: PendingRequest, replicas: int) -> bool:
+    def _behind_front(self, waiting: Waiting, replicas: int) -> bool:
         """Whether `front` older requests wait in this router: this one may then only be hinted. Those behind
         take a replica in the order they came, as with Serve's own routing, and hints stay in queue order."""
-        self._pending = {rid: r for rid, r in self._pending.items() if not r.future.done()}
-        self._pending[request.metadata.internal_request_id] = request
         front = self._front(replicas)
-        if len(self._pending) <= front:
+        for w in self._requests.values():
+            w.routing = w.routing and not w.request.future.done()  # sent on, or cancelled
+        live = [w for w in self._requests.values() if w.routing]
+        if len(live) <= front:
             return False
-        key = (request.created_at, request.metadata.internal_request_id)
-        older = sum((r.created_at, rid) < key for rid, r in self._pending.items())
-        return older >= front
+        return sum(w.order < waiting.order for w in live) >= front
+
+    def _waiting(self, request: PendingRequest, now: float) -> Waiting:
+        """The request's record, made at its first routing attempt."""
+        rid = request.metadata.internal_request_id
+        waiting = self._requests.get(rid)
+        if waiting is None:
+            waiting = self._requests[rid] = Waiting(request, request.metadata.multiplexed_model_id or None)
+        waiting.request, waiting.seen_at, waiting.routing = request, now, True
+        return waiting
 
     # --- view -----------------------------------------------------------------------------------
 
@@ -96,7 +123,7 @@ class AdapterAffinityRouter(RequestRouter):
                 if self._actor is None:  # a GCS lookup: kept off the loop that routes requests
                     self._actor = await asyncio.to_thread(self._find_actor)
                 view = await asyncio.wait_for(self._actor.view.remote(), timeout=1.0)
-                self._view, self._view_at = view["replicas"], time.monotonic()
+                self._view, self._view_at = view.replicas, time.monotonic()
             except Exception as e:  # actor restarting or gone: fall back until it is back
                 log.debug("router view refresh failed: %r", e)
                 self._actor = None
@@ -104,14 +131,8 @@ class AdapterAffinityRouter(RequestRouter):
             await asyncio.sleep(self.view_refresh_s)
 
     def _prune(self, now: float) -> None:
-        # Pending requests that were cancelled never complete: forget their hints eventually.
-        self._hinted = {rid: told for rid, told in self._hinted.items() if now - told[1] < 60.0}
-        self._ahead &= self._hinted.keys()
-        self._waiting_hints = {uid: live for uid, hints in self._waiting_hints.items()
-                               if (live := {rid: a for rid, a in hints.items() if rid in self._hinted})}
-        self._deferred = {rid: at for rid, at in self._deferred.items() if now - at < 60.0}
-        self._waits_at = {rid: told for rid, told in self._waits_at.items() if now - told[1] < 60.0}
-        self._announced = {rid: told for rid, told in self._announced.items() if now - told[1] < 60.0}
+        # Pending requests that were cancelled are never accepted: forget them once they stop being routed.
+        self._requests = {rid: w for rid, w in self._requests.items() if now - w.seen_at < FORGET_AFTER_S}
         for adapter_id, uids in list(self._recent.items()):
             fresh = {uid: at for uid, at in uids.items() if now - at < RECENT_S}
             if fresh:
@@ -128,13 +149,12 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         uid = replica.replica_id.unique_id
-        stats = self._view.get(uid) or replica.routing_stats or {}
+        stats = self._view.get(uid) or ReplicaStats.from_dict(replica.routing_stats or {})
         ongoing = self._replica_queue_len_cache.get(replica.replica_id)
         if ongoing is None:
-            ongoing = stats.get("ongoing", 0)
-        return ReplicaLoad(uid, ongoing, replica.max_ongoing_requests, frozenset(stats.get("resident", ())),
-                           frozenset(stats.get("loading", ())), frozenset(stats.get("queued", ())),
-                           stats.get("free_slots", 0), stats.get("hint_room"))
+            ongoing = stats.ongoing
+        return ReplicaLoad(uid, ongoing, replica.max_ongoing_requests, frozenset(stats.resident),
+                           frozenset(stats.loading), frozenset(stats.queued), stats.free_slots, stats.hint_room)
 
     # --- routing --------------------------------------------------------------------------------
 
@@ -144,20 +164,20 @@ class AdapterAffinityRouter(RequestRouter):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
         self._ensure_refresh()
-        behind = self.hint_depth > 0 and self._behind_front(pending_request, len(candidate_replicas))
+        now = time.monotonic()
+        waiting = self._waiting(pending_request, now)
+        behind = self.hint_depth > 0 and self._behind_front(waiting, len(candidate_replicas))
         if not self._has_view():
             if behind:
                 await asyncio.sleep(BEHIND_RECHECK_S)
                 return []
             self._count("fallback")
             return self._power_of_two(candidate_replicas)
-        adapter_id = pending_request.metadata.multiplexed_model_id or None
-        rid = pending_request.metadata.internal_request_id
-        now = time.monotonic()
+        adapter_id, rid = waiting.adapter_id, pending_request.metadata.internal_request_id
         recent = frozenset(uid for uid, at in self._recent.get(adapter_id, {}).items() if now - at < RECENT_S)
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
-        waiting_for = self._waits_at.get(rid, ("",))[0] or None
+        waiting_for = waiting.waits_for
         decision = place(adapter_id, list(loads.values()),
                          waited_s=time.time() - pending_request.created_at, spread_after_s=self.spread_after_s,
                          recent=recent, rng=self._rng, waiting_for=waiting_for)
@@ -168,20 +188,16 @@ class AdapterAffinityRouter(RequestRouter):
             uid = waiting_for if keep else decision.uid
             decision = replace(decision, uid=uid, must_wait=True,
                                spread_to=None if decision.spread_to == uid else decision.spread_to)
-        hinted_at = self._hinted.get(rid, ("",))[0]
-        if hinted_at and hinted_at != decision.uid and adapter_id is not None:
+        if waiting.hinted_to not in (None, decision.uid) and adapter_id is not None:
             # It waits for, or goes to, another replica now: the first one should not read or keep its adapter.
-            self._actor.push_hint.remote(hinted_at, adapter_id, rid, "withdrawn")
-            self._forget_hint(rid)
-        if not decision.must_wait:
-            self._waits_at.pop(rid, None)
-        elif self._waits_at.get(rid, ("",))[0] != decision.uid:
-            self._waits_at[rid] = (decision.uid, now)
+            self._actor.push_hint.remote(waiting.hinted_to, Hint(adapter_id, rid, HintKind.WITHDRAWN))
+            waiting.forget_hint()
+        waiting.waits_for = decision.uid if decision.must_wait else None
         if self.hints and adapter_id is not None:
-            self._hint(decision, adapter_id, rid, behind, loads[decision.uid].hint_room, now)
+            self._hint(decision, waiting, behind, loads[decision.uid].hint_room)
         if not decision.must_wait:
-            self._waiting_hints.get(decision.uid, {}).pop(rid, None)  # sent on: no longer waits on the budget
-            self._deferred.pop(rid, None)
+            waiting.holds_room = False  # sent on: the replica counts its adapter as busy in hint_room instead
+            waiting.deferred = False
             self._count(decision.outcome)
             if adapter_id is not None:
                 self._recent.setdefault(adapter_id, {})[decision.uid] = now
@@ -190,52 +206,45 @@ class AdapterAffinityRouter(RequestRouter):
             return []  # Serve backs off and asks again
         return [[by_uid[decision.uid]]]
 
-    def _hint(self, decision: Placement, adapter_id: str, rid: str, behind: bool, room: int | None,
-              now: float) -> None:
+    def _hint(self, decision: Placement, waiting: Waiting, behind: bool, room: int | None) -> None:
         """The hints a placement calls for: the replica the request waits for (ahead if it is far back), and the
         replica it may spread to."""
         if decision.must_wait:
             if behind:
-                if rid not in self._hinted:
-                    self._hint_ahead(decision.uid, adapter_id, rid, now)
-            elif rid in self._hinted and rid not in self._ahead:
-                # hinted there already, then turned away by the full replica: waits again
-                self._waiting_hints.setdefault(decision.uid, {})[rid] = adapter_id
+                if waiting.hinted_to is None:
+                    self._hint_ahead(decision.uid, waiting)
+            elif waiting.hinted_to is not None and not waiting.is_ahead:
+                waiting.holds_room = True  # hinted there already, then turned away by the full replica: waits again
             else:  # new, or hinted far back and now near the front
-                self._hint_waiting(decision.uid, adapter_id, rid, room, now)
-        if decision.spread_to and self._announced.get(rid, ("",))[0] != decision.spread_to:
+                self._hint_waiting(decision.uid, waiting, room)
+        if decision.spread_to and waiting.spread_to != decision.spread_to:
             # The request may spread there after spread_after_s: that replica keeps the adapter if it holds it.
-            self._announced[rid] = (decision.spread_to, now)
-            self._actor.push_hint.remote(decision.spread_to, adapter_id, rid, "incoming")
+            waiting.spread_to = decision.spread_to
+            self._send(decision.spread_to, waiting, HintKind.INCOMING)
 
-    def _hint_waiting(self, uid: str, adapter_id: str, rid: str, room: int | None, now: float) -> None:
+    def _hint_waiting(self, uid: str, waiting: Waiting, room: int | None) -> None:
         """Hint the replica the request waits for, within its hint room; else count it held back (once), and
         a later routing attempt (after Serve's backoff) tries again."""
-        hints = self._waiting_hints.setdefault(uid, {})
-        if not can_hint(adapter_id, hints.values(), room):
-            if rid not in self._deferred:
-                self._deferred[rid] = now
+        hinted = [w.adapter_id for w in self._requests.values() if w.hinted_to == uid and w.holds_room]
+        if not can_hint(waiting.adapter_id, hinted, room):
+            if not waiting.deferred:
+                waiting.deferred = True
                 self._count("hint_deferred")
             return
-        hints[rid] = adapter_id
-        self._hinted[rid] = (uid, now)
-        self._ahead.discard(rid)
-        self._deferred.pop(rid, None)
-        self._actor.push_hint.remote(uid, adapter_id, rid)  # fire and forget
+        waiting.hinted_to, waiting.is_ahead, waiting.holds_room, waiting.deferred = uid, False, True, False
+        self._send(uid, waiting, HintKind.WAITING)
         self._count("hint")
 
-    def _hint_ahead(self, uid: str, adapter_id: str, rid: str, now: float) -> None:
+    def _hint_ahead(self, uid: str, waiting: Waiting) -> None:
         """Hint a request far back in the queue: the replica fetches its adapter to the node and no further, so
         this costs no hint room (the host cache's); the replica's node cache bounds what it fetches ahead."""
-        self._hinted[rid] = (uid, now)
-        self._ahead.add(rid)
-        self._actor.push_hint.remote(uid, adapter_id, rid, "ahead")
+        waiting.hinted_to, waiting.is_ahead = uid, True
+        self._send(uid, waiting, HintKind.AHEAD)
         self._count("hint_ahead")
 
-    def _forget_hint(self, rid: str) -> None:
-        uid, _ = self._hinted.pop(rid, ("", 0.0))
-        self._ahead.discard(rid)
-        self._waiting_hints.get(uid, {}).pop(rid, None)
+    def _send(self, uid: str, waiting: Waiting, kind: HintKind) -> None:
+        hint = Hint(waiting.adapter_id, waiting.request.metadata.internal_request_id, kind)
+        self._actor.push_hint.remote(uid, hint)  # fire and forget
 
     def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Serve's default policy: two random replicas, the shorter queue first."""
@@ -245,12 +254,7 @@ class AdapterAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         """The replica accepted the request: it has left this router for good."""
         super().on_request_routed(pending_request, replica_id, result)
-        rid = pending_request.metadata.internal_request_id
-        self._forget_hint(rid)
-        self._pending.pop(rid, None)
-        self._waits_at.pop(rid, None)
-        self._announced.pop(rid, None)
-        self._deferred.pop(rid, None)
+        self._requests.pop(pending_request.metadata.internal_request_id, None)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         """Serve calls this when a request completes, and also when a full replica turns an attempt away (Ray 2.60
@@ -258,15 +262,19 @@ class AdapterAffinityRouter(RequestRouter):
         its place in the hint room is given back here: its hint record stays, so that a request turned away is not
         hinted to the same replica again (a duplicate hint at the replica is a stale entry in its prefetch demand
         until it expires) and is withdrawn there if it goes elsewhere. Records of accepted requests go in
-        on_request_routed, those of any other after 60 s (`_prune`)."""
-        uid, _ = self._hinted.get(internal_request_id, ("", 0.0))
-        self._waiting_hints.get(uid, {}).pop(internal_request_id, None)
+        on_request_routed, those of any other once it has not been routed for FORGET_AFTER_S (`_prune`)."""
+        waiting = self._requests.get(internal_request_id)
+        if waiting is not None:
+            waiting.holds_room = False
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
         self._view.pop(replica_id.unique_id, None)
-        self._waiting_hints.pop(replica_id.unique_id, None)
-        self._waits_at = {rid: told for rid, told in self._waits_at.items() if told[0] != replica_id.unique_id}
+        for waiting in self._requests.values():
+            if waiting.hinted_to == replica_id.unique_id:
+                waiting.holds_room = False
+            if waiting.waits_for == replica_id.unique_id:
+                waiting.waits_for = None
         for uids in self._recent.values():
             uids.pop(replica_id.unique_id, None)
 

@@ -2,7 +2,8 @@
 
 It keeps the cluster view (what each replica holds, loads and queues, and how busy it is), the
 application's adapter registry, and one hint mailbox per replica. Replicas long-poll `exchange`
-with their stats and get their hints back at once; routers read `view` and `push_hint`.
+with their stats and get their hints back at once; routers read `view` and `push_hint`. What crosses is typed
+(routing/wire.py).
 Serve recreates the actor if it dies; replicas then restore the registry into the new one.
 """
 
@@ -15,6 +16,8 @@ from collections import Counter, defaultdict
 
 import ray
 from ray.actor import ActorHandle
+
+from routing.wire import ClusterView, Hint, HintKind, ReplicaStats, SyncReply
 
 STALE_S = 5.0  # a replica that has not reported for this long has left the view
 SYNC_POLL_S = 0.01  # how often wait_synced looks at the replicas' reports
@@ -52,9 +55,10 @@ class RouterState:
         self.epoch = uuid.uuid4().hex  # changes when Serve recreates the actor
         self.adapters: dict[str, str] = dict(adapters or {})
         self.version = 1
-        self.views: dict[str, dict] = {}
+        self.views: dict[str, ReplicaStats] = {}
+        self.reported_at: dict[str, float] = {}  # replica -> when its stats came
         self.synced: dict[str, int] = {}  # replica -> the registry version it last reported in sync with
-        self.mailboxes: dict[str, list[dict]] = defaultdict(list)
+        self.mailboxes: dict[str, list[Hint]] = defaultdict(list)
         self._wakeups: dict[str, asyncio.Event] = {}
         self.hints_pushed = Counter()
 
@@ -63,11 +67,11 @@ class RouterState:
 
     # --- replicas -------------------------------------------------------------------------------
 
-    async def exchange(self, uid: str, stats: dict, known: tuple | None, timeout_s: float = 0.5) -> dict:
+    async def exchange(self, uid: str, stats: ReplicaStats, known: tuple | None, timeout_s: float = 0.5) -> SyncReply:
         """Record a replica's stats; return its hints (waiting up to timeout_s) and any registry change.
 
         known: the (epoch, version) of the registry the replica last synced; a registry change ends the wait."""
-        self.views[uid] = {**stats, "updated_at": time.time()}
+        self.views[uid], self.reported_at[uid] = stats, time.time()
         if known is not None and known[0] == self.epoch:
             self.synced[uid] = known[1]
         if self._is_current(known) and not self.mailboxes[uid]:
@@ -77,11 +81,9 @@ class RouterState:
                 await asyncio.wait_for(wakeup.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        reply = {"epoch": self.epoch, "version": self.version}
-        if not self._is_current(known):
-            reply["adapters"] = dict(self.adapters)
-        reply["hints"], self.mailboxes[uid] = self.mailboxes[uid], []
-        return reply
+        hints, self.mailboxes[uid] = tuple(self.mailboxes[uid]), []
+        adapters = None if self._is_current(known) else dict(self.adapters)
+        return SyncReply(self.epoch, self.version, hints, adapters)
 
     def _is_current(self, known: tuple | None) -> bool:
         return known is not None and tuple(known) == (self.epoch, self.version)
@@ -96,24 +98,21 @@ class RouterState:
 
     # --- routers --------------------------------------------------------------------------------
 
-    async def view(self) -> dict:
+    async def view(self) -> ClusterView:
         now = time.time()
-        for uid in [u for u, v in self.views.items() if now - v["updated_at"] > STALE_S]:
+        for uid in [u for u, at in self.reported_at.items() if now - at > STALE_S]:
             self.forget_replica(uid)
-        return {"epoch": self.epoch, "replicas": self.views}
+        return ClusterView(self.epoch, dict(self.views))
 
-    async def push_hint(self, uid: str, adapter_id: str, request_id: str = "", kind: str = "waiting") -> None:
-        """kind: "waiting" (a request waits in the router for this replica), "incoming" (it waits for
-        another, saturated replica and may spread to this one) or "withdrawn" (a request hinted "waiting"
-        here went to another replica after all)."""
-        self.mailboxes[uid].append({"adapter_id": adapter_id, "request_id": request_id, "at": time.time(),
-                                    "kind": kind})
-        if kind != "withdrawn":
+    async def push_hint(self, uid: str, hint: Hint) -> None:
+        self.mailboxes[uid].append(hint)
+        if hint.kind is not HintKind.WITHDRAWN:
             self.hints_pushed[uid] += 1
         self._wakeup(uid).set()
 
     def forget_replica(self, uid: str) -> None:
         self.views.pop(uid, None)
+        self.reported_at.pop(uid, None)
         self.synced.pop(uid, None)
         self.mailboxes.pop(uid, None)
         self._wakeups.pop(uid, None)
@@ -151,8 +150,8 @@ class RouterState:
         deadline = time.monotonic() + timeout_s
         while True:
             now = time.time()
-            behind = [u for u, v in self.views.items()
-                      if now - v["updated_at"] <= STALE_S and self.synced.get(u, 0) < version]
+            behind = [u for u, at in self.reported_at.items()
+                      if now - at <= STALE_S and self.synced.get(u, 0) < version]
             if not behind:
                 return True
             if time.monotonic() >= deadline:

@@ -72,14 +72,12 @@ class PrefetchPipeline:
     def _warm_host(self, demand: list[str], needs: dict[str, int], queued: frozenset) -> None:
         """Read demanded adapters that got no slot into the host cache now, as far as the arena holds them.
 
-        Disk -> host is the slow tier (hundreds of ms for an 8B-shape adapter, against ~2 ms for the
-        copy), so when every slot is busy a hint still pays off: the later load is only the copy. A warming
-        read never evicts an adapter wanted sooner: with more requests waiting in the router than the host
-        cache holds, reads for later ones evicted earlier ones before their requests came, and a 16-adapter
-        cache read each adapter 2.8 times from disk (H100, through Serve, uniform over 128 adapters).
+        Disk -> host is the slow tier (far slower than the host -> device copy), so when every slot is busy a
+        hint still pays off: the later load is only the copy. A warming read never evicts an adapter wanted
+        sooner: with more requests waiting in the router than the host cache holds, reads for later ones would
+        evict earlier ones before their requests came, and adapters would be read from disk more than once.
         A read for a request still in the router (not `queued` here) starts only on an idle disk: on a disk-bound
-        load it would hold a read worker while requests already here wait for theirs (same bench: with hinted
-        reads beside queued ones, 211 reads and p50 TTFT 4488 ms, against 159 and 3667 ms without hints).
+        load it would hold a read worker while requests already here wait for theirs.
         """
         budget = self.host_cache.arena.num_pages
         sooner: set[str] = set()

@@ -104,12 +104,11 @@ class Residency:
         Remote adapters not yet on this node are fetched to its disk cache first, for hints as for queued
         requests, nearest first; a hinted one enters the host and device tiers only once its files are on the
         node, so that a host read worker and arena pages never wait on the network for a request that has not
-        arrived, and an `ahead` one not before its request nears the front (H100, remote store, 48 requests
-        hinted into every tier: 38 of 209 device loads evicted unused as downloads finished out of order).
+        arrived, and an `ahead` one not before its request nears the front (downloads finish out of order, and
+        an adapter loaded for a request far back would often be evicted unused).
         A queued request's adapter whose fetch is under way is loaded once the fetch ends, not before: a load's
         host read would hold a read worker and its arena pages for the whole download, and reads of adapters
-        already on the node would queue behind it (H100, 2 read workers: 0.33 s per read of
-        84 MB, the downloads' time included)."""
+        already on the node would queue behind it."""
         if self._fetch_ahead is not None:
             self._fetch_ahead([*queued, *hinted, *ahead], frozenset(queued))
             queued = [adapter_id for adapter_id in queued if not self._is_downloading(adapter_id)]
@@ -158,7 +157,7 @@ class Residency:
     def _start_draining(self, steps_left: Callable[[int], int]) -> None:
         """Every slot is pinned: stop feeding the one that frees soonest (fewest steps left to its requests,
         then least recently used), so a waiting adapter gets in. Draining the least recently used slot
-        alone let a waiting request sit behind a long generation for seconds on the H100."""
+        alone would let a waiting request sit behind a long generation."""
         pinned = [i for i in self.pool.occupied() if self.pool.slots[i].pins > 0]
         if pinned:
             self.draining = min(pinned, key=lambda i: (steps_left(i), self.pool.slots[i].last_used))

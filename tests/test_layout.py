@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("app", "prefetch", "deploy", "bench")
+PACKAGES = ("app", "prefetch", "routing", "deploy", "bench")
 
 
 def module_name(path: Path) -> str:
@@ -55,9 +55,17 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def test_only_deploy_and_bench_import_ray():
-    for package in ("app", "prefetch"):
+    for package in ("app", "prefetch", "routing"):
         for path in (ROOT / package).rglob("*.py"):
             tree = ast.parse(path.read_text(), str(path))
             names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
             names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
             assert not {n for n in names if n == "ray" or n.startswith("ray.")}, path
+
+
+def test_the_routing_policy_stands_alone():
+    """routing/ is the router's policy and its wire values: the engine and the router import it, never the reverse."""
+    graph = project_imports()
+    for name, imported in graph.items():
+        if name.startswith("routing"):
+            assert all(m.startswith("routing") for m in imported), (name, imported)

@@ -1,18 +1,16 @@
 """The ranged GETs of remote adapters, run in a helper process so that their Python never holds the engine's GIL.
 
 A download's parts go through fsspec (s3fs, aiohttp): an event loop that parses each response and copies its
-chunks in Python, at hundreds of MB/s. In the engine's process that work took the GIL from the engine thread,
-which gives the GIL up at every torch call and waits to take it back: on the H100 a decode step's host part ran
-up to 4 times its own CPU time while downloads and host reads ran beside it (step_totals and step_timing.stalls in
-bench/results/h100-x1-serve-remote-uniform-rate5-store-cores6-stalls.json). Here each part is one request to a
+chunks in Python, at hundreds of MB/s. In the engine's process that work would take the GIL from the engine
+thread, which gives the GIL up at every torch call and waits to take it back: a decode step's host part would
+run several times its own CPU time while downloads and host reads run beside it. Here each part is one request to a
 helper process, which fetches the range and writes it into the destination file itself; the caller's thread
 only waits.
 
 The helper is one process per parent and environment (credentials and endpoints come from the environment),
 started by RemoteStore.prepare_downloads (a registry with a node cache calls it) or at the first part.
 prepare_downloads also has it make its clients for the remote roots then: an S3 client loads botocore's
-service model, which made the first download 0.3-0.4 s slower than the next on 2 CPU cores, and 0.8-1.9 s on
-the H100's host. It serves
+service model, which would otherwise make the first download slower than the next. It serves
 parts on its own threads (`part_worker.py`), as many at once as callers send, and exits when its parent goes
 (its request pipe closes). Which part goes next stays with the caller (UrgentFirstPool).
 

@@ -250,9 +250,7 @@ class AdapterRegistry:
                 raise
         pickles = [n for n in present if n.endswith(PICKLE_SUFFIXES)]
         if name == WEIGHTS_NAME and pickles:
-            raise AdapterFormatError(
-                f"adapter '{adapter_id}': pickle weights {pickles} are refused (loading them can run code); "
-                f"re-save with save_pretrained(..., safe_serialization=True) to get {WEIGHTS_NAME}")
+            raise pickle_refused(adapter_id, pickles)
         raise AdapterFormatError(f"adapter '{adapter_id}': {uri} has no {name}")
 
     def _spec(self, adapter_id: str, path: Path | str, header: AdapterHeader, config, nbytes: int,
@@ -308,9 +306,8 @@ class AdapterRegistry:
             self.fetcher.is_fetching(spec)
 
     def node_snapshot(self) -> dict:
-        """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
-        if self.fetcher is None:  # local roots only: nothing is fetched
-            return self.cache.snapshot()
+        """The node cache's counters and this replica's fetches ahead: started, and used by a read since (only
+        where the registry has a node cache, which comes with its fetcher)."""
         return self.fetcher.snapshot()
 
     def on_node(self, adapter_id: str) -> bool:
@@ -349,10 +346,7 @@ class AdapterRegistry:
         if not weights_file.is_file():
             pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:
-                raise AdapterFormatError(
-                    f"adapter '{adapter_id}': pickle weights {pickles} are refused (loading them can run code); "
-                    f"re-save with save_pretrained(..., safe_serialization=True) to get {WEIGHTS_NAME}"
-                )
+                raise pickle_refused(adapter_id, pickles)
             raise AdapterFormatError(f"adapter '{adapter_id}': {folder} has no {WEIGHTS_NAME}")
         config_file = self._inside_roots(adapter_id, folder / CONFIG_NAME, CONFIG_NAME)
         if not config_file.is_file():
@@ -387,3 +381,9 @@ class _RangedReader:
             data += self.store.read(self.uri, self.position + len(data), end)
         self.position += len(data)
         return data
+
+
+def pickle_refused(adapter_id: str, pickles: list[str]) -> AdapterFormatError:
+    return AdapterFormatError(
+        f"adapter '{adapter_id}': pickle weights {pickles} are refused (loading them can run code); "
+        f"re-save with save_pretrained(..., safe_serialization=True) to get {WEIGHTS_NAME}")

@@ -171,7 +171,7 @@ class RemoteStore:
             fs = self._filesystems.get(key)
             if fs is None:
                 fs = self._filesystems[key] = fsspec.filesystem(scheme, **self._options(scheme))
-                if scheme == "s3":  # botocore retries already (config_kwargs): s3fs's own 5 on top of them made
+                if scheme == "s3":  # botocore retries already (config_kwargs): s3fs's own 5 on top would make
                     fs.retries = 1  # a store that hangs take 15 timeouts (fsspec shares `fs` only with like options)
         return fs, fs._strip_protocol(uri) if scheme not in ("http", "https") else uri
 
@@ -199,14 +199,6 @@ class RemoteStore:
         fs, path = self.filesystem(uri)
         with store_errors(uri):
             return _cat_range(fs, path, start, end)
-
-    def read_all(self, uri: str, limit: int) -> bytes:
-        fs, path = self.filesystem(uri)
-        with store_errors(uri):
-            data = fs.cat_file(path)
-        if len(data) > limit:
-            raise AdapterFormatError(f"{uri} is {len(data)} bytes; at most {limit} are read")
-        return data
 
     def names(self, uri: str) -> list[str]:
         """The names right under the folder `uri`; [] where there is no such folder."""

@@ -36,10 +36,10 @@ class AdapterFile:
     """A safetensors file read whole with one read, the header parsed by hand.
 
     The safetensors package hands out tensors one call at a time; every call gives up and retakes the
-    GIL, and on a replica whose engine thread holds the GIL most of the time that turned a 40 ms read of
-    an 84 MB adapter into 0.3-0.6 s. Here the bytes arrive in one `readinto`, and `flat` gives 1-D slices
-    (plain indexing, which keeps the GIL), so packing needs one multi-tensor copy. The format: an 8-byte
-    little-endian header size, a JSON header {key: {dtype, shape, data_offsets}}, then the data section.
+    GIL, and on a replica whose engine thread holds the GIL most of the time each retake waits behind it,
+    which stretches an adapter's read many times over. Here the bytes arrive in one `readinto`, and `flat`
+    gives 1-D slices (plain indexing, which keeps the GIL), so packing needs one multi-tensor copy. The format:
+    an 8-byte little-endian header size, a JSON header {key: {dtype, shape, data_offsets}}, then the data section.
     """
 
     def __init__(self, data: torch.Tensor, entries: dict[str, StoredTensor]):
@@ -125,8 +125,8 @@ def read_adapter_file(adapter_id: str, weights_file: Path) -> AdapterFile:
     """Read and parse a safetensors file; anything malformed raises AdapterFormatError, I/O errors OSError."""
     with open(weights_file, "rb") as f:
         header = read_header(adapter_id, f)
-        # Not bytearray(n): it zero-fills n bytes (and faults in their pages) holding the GIL, tens of ms for an
-        # 84 MB adapter that the engine thread waits out. torch.empty leaves the pages untouched, and readinto
+        # Not bytearray(n): it zero-fills n bytes (and faults in their pages) holding the GIL, a wait over a
+        # whole adapter's bytes for the engine thread. torch.empty leaves the pages untouched, and readinto
         # touches them with the GIL released.
         data = torch.empty(header.data_nbytes, dtype=torch.uint8)
         if data.numel() and f.readinto(data.numpy()) != data.numel():

@@ -1,4 +1,4 @@
-"""What the ingress and a LoRA replica exchange: the call, each choice's chunks, the whole result, or an error.
+"""What the ingress and a LoRA replica exchange: the call, each choice's chunks, or an error.
 
 Plain dataclasses: they cross Ray's pickling between the two processes, and both sides import them without Ray.
 """
@@ -27,7 +27,7 @@ class GenerateCall:
             raise ValueError(f"a call needs prompts and n >= 1, got {len(self.prompts)} prompts and n={self.n}")
 
 
-@dataclass(frozen=True)  # no slots: pickling a frozen slotted dataclass costs about 2 us more per chunk
+@dataclass(frozen=True)  # no slots: pickling a frozen slotted dataclass costs more per chunk
 class ChoiceChunk:
     """A choice's output since its previous chunk; a whole response holds one merged chunk per choice."""
 
@@ -40,14 +40,6 @@ class ChoiceChunk:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, where the request asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # with echo and logprobs: the prompt's, once
     replica: str = ""  # the unique id of the replica that generated it
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """A whole (non-streamed) generation."""
-
-    choices: list[ChoiceChunk]  # one merged chunk per choice, in index order
-    replica: str
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ def _randomize_(model: torch.nn.Module, device: str, seed: int, only: str = "") 
             if "norm" in name:
                 param.fill_(1.0)
                 continue
-            # Drawn in float32 chunks: some torch builds draw bf16 one element at a time on CPU, ~10x slower.
+            # Drawn in float32 chunks: some torch builds draw bf16 one element at a time on CPU, far slower.
             flat = param.view(-1)
             for start in range(0, flat.numel(), chunk):
                 part = flat[start:start + chunk]

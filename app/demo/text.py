@@ -89,7 +89,7 @@ def build_tokenizer(model_max_length: int, vocab: int | None = None) -> PreTrain
 
     vocab (the model's, when larger than the trained TOKENIZER_VOCAB): ids past the trained ones become filler
     tokens that decode to text (" t1024", " t1025", ...) and that encoding never produces (no merge builds
-    them), so prompts encode as before while every id a random 8B-shape model samples is a visible token, as
+    them), so prompts encode as without them while every id a random 8B-shape model samples is a visible token, as
     with a real tokenizer of that size. Without them most sampled ids decode to nothing and stream no text."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -23,6 +23,7 @@ from app.engine.engine import LLMEngine
 from app.errors import EngineUnavailable, ServingError
 from app.engine.request import RequestOutput
 from app.sampling.params import SamplingParams
+from routing.wire import Hint
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.002  # how often an idle engine looks at in-flight loads
@@ -36,9 +37,8 @@ SWITCH_INTERVAL_S = 0.0005
 def freeze_heap(engine: LLMEngine | None = None) -> None:
     """Move every object alive now out of the garbage collector's sight, for a process that holds one engine for
     its life: call it once the model is built and the adapters registered. A full collection stops every thread of
-    the process while it scans all tracked objects, and with a built engine that took 300-340 ms each time, 2.7 s
-    of a 40 s run (bench/results/h100-x1-serve-remote-uniform-rate5-store-cores6-stalls.json, step_totals.gc);
-    frozen objects are freed by reference counting as before, never by the cycle collector."""
+    the process while it scans all tracked objects, which with a built engine is a long stall of every request;
+    frozen objects are still freed by reference counting, never by the cycle collector."""
     gc.collect()
     gc.freeze()
 
@@ -137,10 +137,9 @@ class AsyncEngine(EngineStreams):
         and registering an adapter, which reads files)."""
         return await asyncio.to_thread(fn, self.engine)
 
-    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
-             withdrawn_ids=None, ahead: list[str] = (), ahead_ids=None) -> None:
+    def hint(self, hints: list[Hint]) -> None:
         def hint(engine: LLMEngine) -> None:
-            engine.hint(adapter_ids, incoming, withdrawn, hint_ids, withdrawn_ids, ahead, ahead_ids)
+            engine.hint(hints)
 
         self._commands.put(hint)
 
@@ -158,8 +157,8 @@ class AsyncEngine(EngineStreams):
 
     def submit(self, prompt, adapter_id, params, request_id, hint_id=None) -> None:
         """Queue a request without waiting for the engine thread: a refusal comes back as the stream's first
-        output (an error, raised before anything is yielded). Awaiting the add woke the event loop in the middle
-        of the request's first step, which then ran slower for the GIL."""
+        output (an error, raised before anything is yielded). Awaiting the add would wake the event loop in the middle
+        of the request's first step, which would then run slower for the GIL."""
         if self._stopped.is_set():
             raise EngineUnavailable("the engine is shut down")
 
@@ -247,7 +246,7 @@ class AsyncEngine(EngineStreams):
         if first:
             # A first token is what a client waits for most. The event loop that sends it wakes on the
             # self-pipe and then needs the GIL, which this thread, going straight into its next step, would
-            # hold until the switch interval ran out (0.4 of the 0.5 ms on CPU). Let it take the GIL now.
+            # hold until the switch interval ran out. Let it take the GIL now.
             time.sleep(0)
 
     def _has_first(self, outputs: list[RequestOutput]) -> bool:

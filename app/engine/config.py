@@ -1,96 +1,112 @@
-"""Engine configuration: a frozen dataclass that validates itself."""
+"""The engine's settings: each one's type, default, limits and description, defined here once.
+
+A frozen pydantic dataclass: it validates itself when built (and again under `dataclasses.replace`), the engine
+and the benchmarks build it directly, and the app's args (deploy/args.py) take their engine fields from it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from app.adapters.targets import TARGET_NAMES
 
 GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_GRAPH_PREFILL_TOKENS = 64  # below this much room in max_graph_tokens, prefill runs 2048 tokens a step eagerly
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class EngineConfig:
-    base_model: str
-    adapter_roots: tuple[str, ...] = ()
-    # Device adapter memory, in pages of `adapter_page_rows` rank rows (an adapter takes the pages its rank
-    # needs). num_slots: exactly that many adapters, each given a max_rank adapter's pages (an override);
-    # else adapter_memory_bytes; else adapter_memory_fraction of the GPU memory free after the weights
-    # (CPU: 8 max_rank adapters' worth).
-    num_slots: int | None = None
-    adapter_memory_bytes: int | None = None
-    adapter_memory_fraction: float = 0.2
-    adapter_page_rows: int = 4
-    max_rank: int = 16  # largest adapter rank
-    target_modules: tuple[str, ...] = TARGET_NAMES  # the names adapters may target, where the base has them
-    host_cache_bytes: int = 2 * GiB
-    max_adapter_bytes: int = 2 * GiB
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
-    max_batch_size: int = 32
-    max_input_tokens: int = 2048
-    max_total_tokens: int = 65536  # KV cache capacity in tokens where kv_cache_bytes and the GPU do not set it
-    kv_cache_bytes: int | None = None  # KV cache size; None: kv_cache_memory_fraction of free GPU memory (CPU: max_total_tokens)
-    kv_cache_memory_fraction: float = 0.85  # of the GPU memory free after the weights and adapter pool
-    block_size: int = 16  # tokens per KV cache block
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
-    compile_decode: bool = True  # torch.compile the decoder before capturing the decode graphs (CUDA only)
-    max_graph_tokens: int = 512  # steps of up to this many tokens that prefill replay graphs (<= max_batch_size: none)
-    max_queue: int = 1024
-    # Prefill tokens per step; longer prompts are chunked. None: what a full batch of decode rows leaves of
-    # max_graph_tokens, so that steps that prefill replay a graph (2048 where that leaves under 64).
-    max_prefill_tokens_per_step: int | None = None
-    prefetch: bool = True  # False: adapters load synchronously when a request needs them
-    max_inflight_loads: int = 2
-    hint_ttl_s: float = 30.0
-    disk_workers: int = 2
-    # Remote adapters (s3://, gs://, hf://, http(s):// roots): the node's disk cache, shared by its replicas, and
-    # the fetches into it. None: $XDG_CACHE_HOME/lora-serve/adapters (else ~/.cache/lora-serve/adapters).
-    adapter_cache_dir: str | None = None
-    adapter_cache_bytes: int = 32 * GiB
-    adapter_fetch_workers: int = 8  # adapters fetched ahead at once (as many for queued ones), and ranges at once
-    adapter_fetch_timeout_s: float = 60.0  # one store call's limit; a store that hangs fails with a 503
-    # Diagnostics: sample where the engine thread is while a host part of its loop runs longer than this many ms
-    # (app/engine/stall_sampler.py; reported in step_timing's "stalls"). 0: off.
-    sample_stalls_ms: float = 0.0
+    base_model: str = Field(description="Path of the base model (transformers format).")
+    adapter_roots: tuple[str, ...] = Field(
+        default=(), description="Where adapters may be registered from: local folders (symlinks resolved) and URI "
+        "prefixes: s3://bucket/prefix, gs://bucket/prefix, hf://org (or hf://org/repo), http(s)://host/path.")
+    # Device adapter memory, in pages of `adapter_page_rows` rank rows: an adapter takes the pages its rank needs.
+    num_slots: int | None = Field(
+        default=None, ge=1, description="Override: exactly this many device adapter slots, each given the memory "
+        "of a max_rank adapter. Default: size by bytes.")
+    adapter_memory_bytes: int | None = Field(
+        default=None, ge=1, description="Device memory for adapters per replica, in pages of rank rows; an adapter "
+        "takes the pages its rank needs. Default: adapter_memory_fraction of the GPU memory left after the weights "
+        "(CPU: 8 max_rank adapters).")
+    adapter_memory_fraction: float = Field(
+        default=0.2, gt=0, le=1, description="Share of the GPU memory free after the weights that adapters take "
+        "when neither num_slots nor adapter_memory_bytes is set.")
+    adapter_page_rows: int = Field(default=4, ge=1, description="Rank rows in one page of adapter memory.")
+    max_rank: int = Field(default=16, ge=1, description="Largest adapter rank accepted.")
+    target_modules: tuple[str, ...] = Field(
+        default=TARGET_NAMES, description="The modules adapters may target, where the base model has them.")
+    host_cache_bytes: int = Field(default=4 * GiB, ge=1, description="Host (pinned) adapter cache per replica.")
+    max_adapter_bytes: int = Field(default=2 * GiB, ge=1, description="Largest adapter file accepted.")
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N. auto: a GPU where there is one.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="auto: bfloat16 on CUDA, float32 on CPU.")
+    max_batch_size: int = Field(default=32, ge=1, description="Rows in one decode batch.")
+    max_input_tokens: int = Field(default=2048, ge=1, description="Longest prompt, in tokens.")
+    max_total_tokens: int = Field(
+        default=65536, ge=2, description="KV cache capacity in tokens on CPU (or where kv_cache_bytes is unset and "
+        "there is no GPU).")
+    kv_cache_bytes: int | None = Field(
+        default=None, ge=1, description="KV cache size per replica. Default: kv_cache_memory_fraction of the GPU "
+        "memory left after weights and adapters.")
+    kv_cache_memory_fraction: float = Field(
+        default=0.85, gt=0, le=1, description="Share of the free GPU memory the KV cache takes when kv_cache_bytes "
+        "is unset.")
+    block_size: Literal[16, 32, 64] = Field(default=16, description="Tokens per KV cache block.")
+    cuda_graphs: bool = Field(default=True, description="Capture decode steps in CUDA graphs (CUDA only).")
+    compile_decode: bool = Field(
+        default=True, description="torch.compile the decoder before capturing the decode graphs (CUDA only): "
+        "faster decode steps for a longer start-up.")
+    max_graph_tokens: int = Field(
+        default=512, ge=0, description="Steps that prefill, of up to this many tokens (decode rows plus prompt "
+        "tokens), replay CUDA graphs captured at start-up; larger ones run eagerly (CUDA only; 0: decode steps "
+        "only).")
+    max_queue: int = Field(default=1024, ge=1, description="Requests waiting inside a replica's engine before 429.")
+    max_prefill_tokens_per_step: int | None = Field(
+        default=None, ge=1, description="Prefill tokens in one engine step; longer prompts are prefilled in chunks "
+        "between decode steps. Default: max_graph_tokens - max_batch_size, so that steps that prefill replay a "
+        "CUDA graph; 2048 where that leaves under 64.")
+    prefetch: bool = Field(default=True, description="Asynchronous prefetch (false: load on demand, synchronously).")
+    max_inflight_loads: int = Field(default=2, ge=1, description="Adapter loads under way at once per replica.")
+    hint_ttl_s: float = Field(default=30.0, gt=0, description="How long a replica keeps a hint whose request has "
+                              "not come.")
+    disk_workers: int = Field(default=2, ge=1, description="Threads reading adapters from disk into the host cache.")
+    adapter_cache_dir: str | None = Field(
+        default=None, description="The node's disk cache of remote adapters, shared by the replicas on a node and "
+        "kept across restarts. Default: $XDG_CACHE_HOME/lora-serve/adapters, else ~/.cache/lora-serve/adapters.")
+    adapter_cache_bytes: int = Field(
+        default=32 * GiB, ge=1, description="Byte budget of that disk cache; least recently used adapters not being "
+        "read are evicted beyond it.")
+    adapter_fetch_workers: int = Field(
+        default=8, ge=1, description="Remote adapters fetched ahead at once per replica (and as many for requests "
+        "already at it), and 16 MiB ranges fetched at once over all downloads.")
+    adapter_fetch_timeout_s: float = Field(
+        default=60.0, gt=0, description="Limit of one call to a store; a store that hangs fails the requests that "
+        "need it with 503 and Retry-After.")
+    sample_stalls_ms: float = Field(
+        default=0.0, ge=0, description="Diagnostics: sample where the engine thread is while a host part of its "
+        "loop (a step's admission, launch or output, or the gap between steps) runs longer than this many ms; the "
+        "counts are in the engine's step_timing metrics, under stalls. 0: off.")
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
         if self.max_prefill_tokens_per_step is None:
             room = self.max_graph_tokens - self.max_batch_size
-            object.__setattr__(self, "max_prefill_tokens_per_step", room if room >= 64 else 2048)
-        if self.max_graph_tokens < 0:
-            raise ValueError(f"max_graph_tokens must be >= 0, got {self.max_graph_tokens}")
-        positive = ("adapter_page_rows", "max_rank", "max_batch_size", "max_input_tokens", "max_total_tokens",
-                    "max_queue", "max_prefill_tokens_per_step", "max_inflight_loads", "disk_workers", "host_cache_bytes",
-                    "adapter_cache_bytes", "adapter_fetch_workers")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sample_stalls_ms < 0:
-            raise ValueError(f"sample_stalls_ms must be >= 0, got {self.sample_stalls_ms}")
-        for name in ("kv_cache_bytes", "num_slots", "adapter_memory_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            object.__setattr__(self, "max_prefill_tokens_per_step", room if room >= MIN_GRAPH_PREFILL_TOKENS else 2048)
         if self.num_slots is not None and self.adapter_memory_bytes is not None:
             raise ValueError(f"set num_slots ({self.num_slots}) or adapter_memory_bytes ({self.adapter_memory_bytes}), "
                              "not both")
-        for name in ("kv_cache_memory_fraction", "adapter_memory_fraction"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if self.block_size not in (16, 32, 64):
-            raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
         unknown = set(self.target_modules) - set(TARGET_NAMES)
         if unknown:
             raise ValueError(f"target_modules {sorted(unknown)} are not supported; choose from {TARGET_NAMES}")
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError(
-                f"max_total_tokens ({self.max_total_tokens}) must exceed max_input_tokens ({self.max_input_tokens})"
-            )
+                f"max_total_tokens ({self.max_total_tokens}) must exceed max_input_tokens ({self.max_input_tokens})")
+        return self
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -28,8 +28,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # above max_batch_size: steps that prefill
 # In a graph each prefill token reads its whole context as a decode row, where flash reads a chunk's context
 # once: beyond this many context tokens over a step's prefill rows (a 512-token prompt has 131k), that reading
-# (4 KB per token and layer at Llama-3-8B shapes) outgrows the host time a replay saves (a bound set by estimate,
-# not measured: the 2 x 224-token step, 50k context tokens, replayed 3x faster than eager).
+# (4 KB per token and layer at Llama-3-8B shapes) outgrows the host time a replay saves (a bound set by estimate).
 MAX_GRAPH_PREFILL_CONTEXT = 1 << 17
 
 

@@ -1,10 +1,8 @@
 """Incremental detokenization: a request's output text grows by decoding a short window of its newest
 tokens, not all of them, so the host's cost per token stays flat as outputs grow.
 
-Decoding every output token again on every step cost O(n) per token: on the 2-core CPU, with the demo
-tokenizer, 32 rows at 512 output tokens took 4.2 ms a step in `tokenizer.decode` alone, against 0.22 ms for
-their windows. In the engine (`bench.throughput_bench --size tiny --max-len 512`, batch 32) the host time after
-each decode step went from 0.92 to 0.17 ms at p50 (`bench/results/cpu-throughput-tiny-detok-*.json`).
+Decoding every output token again on every step would cost O(n) per token, so the host time after each
+decode step would grow with the outputs until it dominated the step.
 
 The window starts at the last settled chunk of tokens (`prefix_offset`), and the text the new tokens add is
 the window's decode less that chunk's, so a tokenizer that changes a token's text by what precedes it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -31,6 +32,7 @@ from app.sampling.params import SamplingParams
 from app.sampling.sampler import sample_batch, seed_for
 from prefetch.hints import HintBook
 from prefetch.metrics import Histogram
+from routing.wire import Hint, HintKind, ReplicaStats
 
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
 SECONDS_BUCKETS = (  # hint lead and adapter wait histograms
@@ -100,7 +102,7 @@ class LLMEngine:
 
     def compile_grammar(self, spec: str) -> None:
         """Compile a response_format spec into the cache (thread-safe: runs beside the loop, as a big schema at
-        a 128k vocabulary takes up to a second); InvalidResponseFormat if it does not compile."""
+        a large vocabulary takes long enough to stall steps); InvalidResponseFormat if it does not compile."""
         self.grammars.compile(spec)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -111,27 +113,21 @@ class LLMEngine:
         self._finish(request)
         return make_output(request, "", (), error=None)
 
-    def hint(self, adapter_ids, incoming=(), withdrawn=(), hint_ids=None, withdrawn_ids=None, ahead=(),
-             ahead_ids=None) -> None:
-        """Ask for adapters to be made resident ahead of need (the router's hint): one entry per request
-        waiting near the router's front for this replica. incoming: adapters of requests waiting at another
-        replica that may be sent here; they are protected from eviction for a one-off. withdrawn: one entry per
-        hinted request that went to another replica after all. ahead: one entry per request far back in the
-        router's queue, whose remote adapter is fetched to the node and no further. hint_ids, withdrawn_ids,
-        ahead_ids: the request id of each entry (None: no ids); a request that brings the same id consumes its
-        hint."""
+    def hint(self, hints: Iterable[Hint]) -> None:
+        """The router's hints, applied in the order it sent them: adapters to make resident (WAITING) or to fetch
+        to the node (AHEAD) ahead of a request, to keep for a request that may spread here (INCOMING), and hints
+        whose request went elsewhere (WITHDRAWN). A request that brings a hint's id consumes that hint."""
         now = time.monotonic()
-        for adapter_id, hint_id in zip(ahead, ahead_ids or [None] * len(ahead)):
-            if adapter_id in self.registry:
-                self.residency.metrics.count_hint(self.hints.add(adapter_id, now, hint_id, near=False))
-        for adapter_id, hint_id in zip(adapter_ids, hint_ids or [None] * len(adapter_ids)):
-            if adapter_id in self.registry:
-                self.residency.metrics.count_hint(self.hints.add(adapter_id, now, hint_id))
-        for adapter_id, hint_id in zip(withdrawn, withdrawn_ids or [None] * len(withdrawn)):
-            self.hints.withdraw(adapter_id, hint_id)  # after the adds: a hint and its withdrawal may come together
-        for adapter_id in incoming:
-            if adapter_id in self.registry:
-                self.hints.add_incoming(adapter_id, now)
+        for hint in hints:
+            if hint.kind is HintKind.WITHDRAWN:
+                self.hints.withdraw(hint.adapter_id, hint.request_id)
+            elif hint.adapter_id not in self.registry:
+                continue
+            elif hint.kind is HintKind.INCOMING:
+                self.hints.add_incoming(hint.adapter_id, now)
+            else:
+                near = hint.kind is HintKind.WAITING
+                self.residency.metrics.count_hint(self.hints.add(hint.adapter_id, now, hint.request_id, near))
         if self.config.prefetch:
             self._prefetch()  # start now: the request may be right behind
 
@@ -319,7 +315,7 @@ class LLMEngine:
         assert pins == [s.pins for s in self.residency.pool.slots], f"pins {pins} != pool"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
 
-    def routing_stats(self) -> dict:
+    def routing_stats(self) -> ReplicaStats:
         """What the router needs to know about this replica."""
         return report.routing_stats(self)
 

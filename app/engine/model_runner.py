@@ -112,7 +112,7 @@ class ModelRunner:
         """Eager steps at start-up, on the scratch block 0 and slot 0, that make Triton compile every variant
         an eager step can need: the LoRA kernels' two tile configs (decode- and prefill-sized steps) and
         the decode attention at each split count the batch size can give. Compiled in the first requests'
-        steps instead, they made those steps take 0.6-1.9 s on the H100."""
+        steps instead, they would stall those requests."""
         start, bs = time.perf_counter(), self.block_size
         steps = [(2, 8), (2, lora_kernels.DECODE_T_MAX + 8)]  # (decode rows, prefill tokens)
         if self.use_kernel:

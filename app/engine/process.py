@@ -1,11 +1,10 @@
 """The engine loop in a child process, as vLLM's engine core runs: same interface as AsyncEngine.
 
 In a Serve replica the engine thread shares one GIL with the replica's event loop, which turns every
-step's outputs into stream chunks for dozens of requests. Under HTTP load that contention made the
-host's part of a decode step several times longer than the engine alone
-(bench/results/h100-x1-serve-*.json, `step_timing`). Here the LLMEngine and its AsyncEngine loop run in
-a spawned process (CUDA needs spawn, not fork) and the parent keeps only the asyncio side: commands go
-down a pipe as pickled (method name, args) calls, and each step's outputs come back as one message
+step's outputs into stream chunks for dozens of requests. Under HTTP load that contention makes the
+host's part of a decode step several times longer than the engine's alone. Here the LLMEngine and its
+AsyncEngine loop run in a spawned process (CUDA needs spawn, not fork) and the parent keeps only the asyncio
+side: commands go down a pipe as pickled (method name, args) calls, and each step's outputs come back as one message
 that a reader thread hands to the waiting streams.
 
 Calls must be picklable: use `operator.methodcaller("routing_stats")` rather than a lambda.
@@ -28,6 +27,7 @@ from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, EngineStream
 from app.engine.config import EngineConfig
 from app.errors import EngineUnavailable, InternalError, picklable
 from app.engine.request import RequestOutput
+from routing.wire import Hint
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # model load, graph capture and torch.compile
@@ -71,11 +71,9 @@ class EngineProcess(EngineStreams):
         """Run fn(engine) on a worker thread of the child, beside the engine loop."""
         return await self._request("aside", fn)
 
-    def hint(self, adapter_ids: list[str], incoming: list[str] = (), withdrawn: list[str] = (), hint_ids=None,
-             withdrawn_ids=None, ahead: list[str] = (), ahead_ids=None) -> None:
+    def hint(self, hints: list[Hint]) -> None:
         try:
-            self._send(("hint", list(adapter_ids), list(incoming), list(withdrawn), hint_ids, withdrawn_ids,
-                        list(ahead), ahead_ids))
+            self._send(("hint", hints))
         except EngineUnavailable:
             pass  # a hint is advice: a dead engine fails its requests, not the caller of hint
 
@@ -235,6 +233,6 @@ def _child_main(config: EngineConfig, conn) -> None:
         elif kind == "abort":
             loop._abort(message[1])
         elif kind == "hint":
-            loop.hint(*message[1:])
+            loop.hint(message[1])
     aside.shutdown(wait=False)
     loop.shutdown()

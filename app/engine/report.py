@@ -13,13 +13,16 @@ from app.engine.model_runner import ModelRunner
 from app.engine.scheduler import Scheduler
 from app.engine.step_timing import StepTiming
 from prefetch.metrics import Histogram
-from prefetch.placement import hint_room
 from prefetch.residency import Residency
+from routing.placement import hint_room
+from routing.wire import ReplicaStats
 
-# The full invariant check walks every page of the host arena and the device pool (1.5 ms on the 2-core CI CPU
-# for the tiny demo), on the engine thread, and the routing stats are read several times a second: with requests in
-# flight it runs this often, and the report carries the last result.
+# The full invariant check walks every page of the host arena and the device pool, on the engine thread, and the
+# routing stats are read several times a second: with requests in flight it runs this often, and the report
+# carries the last result.
 INVARIANTS_BUSY_EVERY_S = 10.0
+ARRIVAL_COUNTERS = ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_late", "hints_duplicate",
+                    "hinted_on_device", "hinted_in_host", "hinted_from_disk")
 
 
 class InvariantReport:
@@ -64,33 +67,31 @@ class EngineState(Protocol):
     def check_invariants(self) -> None: ...
 
 
-def routing_stats(engine: EngineState) -> dict:
-    """What the router needs to know about this replica."""
+def routing_stats(engine: EngineState) -> ReplicaStats:
+    """What the router needs to know about this replica (the replica adds its own call count and memory)."""
     snapshot = engine.residency.snapshot()
     waiting, running = engine.scheduler.waiting, engine.scheduler.running
     queued = {r.adapter_id for r in waiting if r.adapter_id is not None}
     busy = queued | {r.adapter_id for r in running if r.adapter_id is not None}
     host_adapters = engine.residency.host_capacity()
-    return {
-        "invariants": engine.invariants.status(engine),
-        "pinned_slots": snapshot["slots_pinned"],
-        "host_cache_bytes": snapshot["host_cache_bytes"],
-        "resident": snapshot["resident_adapters"],
-        "loading": snapshot["loading_adapters"],
-        "queued": sorted(queued),
-        "running": len(running),
-        "waiting": len(waiting),
-        "free_slots": engine.residency.free_slots(),
-        "host_cache_adapters": host_adapters,
-        "hint_room": hint_room(host_adapters, len(busy)),  # the router's budget of hinted adapters here
-        "device": str(engine.device),
-        "arrivals": {k: snapshot[k] for k in ("hint_hits", "inflight_hits", "misses", "hints_received", "hints_late",
-                                                 "hints_duplicate", "hinted_on_device", "hinted_in_host",
-                                                 "hinted_from_disk")},
-        "hint_lead_seconds": engine.hint_lead.as_dict(),
-        "step_timing": engine.timing.summary(),
-        **node_cache(engine),
-    }
+    return ReplicaStats(
+        resident=tuple(snapshot["resident_adapters"]),
+        loading=tuple(snapshot["loading_adapters"]),
+        queued=tuple(sorted(queued)),
+        free_slots=engine.residency.free_slots(),
+        hint_room=hint_room(host_adapters, len(busy)),  # the router's budget of hinted adapters here
+        running=len(running),
+        waiting=len(waiting),
+        pinned_slots=snapshot["slots_pinned"],
+        host_cache_bytes=snapshot["host_cache_bytes"],
+        host_cache_adapters=host_adapters,
+        device=str(engine.device),
+        invariants=engine.invariants.status(engine),
+        arrivals={k: snapshot[k] for k in ARRIVAL_COUNTERS},
+        hint_lead_seconds=engine.hint_lead.as_dict(),
+        step_timing=engine.timing.summary(),
+        node_cache=engine.registry.node_snapshot() if engine.registry.cache is not None else None,
+    )
 
 
 def node_cache(engine: EngineState) -> dict:

@@ -29,8 +29,7 @@ from app.model.kernels import attention as kernels
 
 ATTENTION_NAME = "lora_serve_paged"
 # Not cuDNN, which torch prefers on Hopper: it builds a plan for every new sequence length, and every
-# prefill brings new lengths (~1.9 ms of CPU per layer and call on the H100 in the previous engine,
-# bench/results/h100-x1-step-profile-llama3-8b-shape.json).
+# prefill brings new lengths, so each prefill would pay that CPU time again in every layer.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

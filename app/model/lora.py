@@ -99,9 +99,9 @@ class LoRAContext:
         While the model runner captures its decode graphs (`overlap`), the shrink, which reads only x, runs
         on a side stream beside the GEMM (it fills the GEMM's idle SMs and hides its chain of dependent loads
         behind it; the graph keeps the fork and the join), and the expand adds into the GEMM's output after
-        the join. H100, b32: 32 adapters 9.98 -> 9.59 ms. Running the expand beside the GEMM too, into a
-        delta buffer added afterwards, was slower (9.88 ms): next to the GEMM's large tiles the expand got
-        few SMs and finished after it. Eager steps keep one stream: there the fork and join cost host time."""
+        the join. Running the expand beside the GEMM too, into a delta buffer added afterwards, would be
+        slower: next to the GEMM's large tiles the expand gets few SMs and finishes after it. Eager steps keep
+        one stream: there the fork and join cost host time."""
         meta = self.meta
         if group is None or meta is None:
             return nn.functional.linear(x, weight, bias)

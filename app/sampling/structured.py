@@ -7,9 +7,9 @@ is returned untouched, and a constrained row leaves its neighbours' logits as th
 
 Each request's matcher (`Grammar`) fills its row of a [rows, ceil(V/32)] bitmask on the host and
 advances by the sampled token in the engine. xgrammar was chosen by measurement
-(bench/kernel/grammar.py, docs/benchmarks.md): at a 128k vocabulary it fills a row's mask and advances in ~6 us,
-against 37-96 us for llguidance and ~2 ms for outlines-core. Its price is compile time (18-180 ms at
-128k on the H100 host, seconds on a small busy CPU), so the engine compiles beside its loop
+(bench/kernel/grammar.py, docs/benchmarks.md): at a 128k vocabulary it fills a row's mask and advances faster
+than llguidance and outlines-core. Its price is compile time, long enough to stall steps, so the engine compiles
+beside its loop
 (`LLMEngine.compile_grammar`, called through `call_aside` before the request is added) and xgrammar
 caches compiled grammars by their spec.
 """
@@ -94,7 +94,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._lock = threading.Lock()
-        self._compiler = None  # built on first use: xgrammar's import and tokenizer scan cost 0.5-1 s
+        self._compiler = None  # built on first use: xgrammar's import and tokenizer scan are slow
 
     def compile(self, spec: str):
         """xgrammar's CompiledGrammar for spec (cached); InvalidResponseFormat if the schema does not compile."""

@@ -11,7 +11,7 @@
 #   PART=prefill FUSED_NORM=0 TAG=-hf-rmsnorm bash bench/device/decode.sh   # with transformers' RMSNorm
 # SHAPE (llama-3-8b, qwen2.5-7b, gemma-2-9b), BATCHES (1 8 32 64), RUNS (3), ITERS (20), ARGS (more
 # bench.engine.decode flags: --lora-block-m 32, ...), TAG (a suffix of the result's name), DECODE_S (the time
-# limit). No WHEELS needed. All three shapes in one call: decode_shapes.sh.
+# limit). WHEELS: .whl (the engine's config needs pydantic). All three shapes in one call: decode_shapes.sh.
 # Result: bench/results/<slug>-decode[-<shape>]<TAG>.json (PART=prefill: <slug>-prefill[-<shape>]<TAG>.json; the
 # shape is named unless it is llama-3-8b) and its log (the JSON lines, and the profile tables where PROFILE is
 # set), copied to $OUT.

@@ -8,7 +8,7 @@
 #   bash bench/device/decode_shapes.sh           # ~4-6 min: each shape 1-2.5 min, mostly compiling and capturing
 # SHAPES (llama-3-8b qwen2.5-7b gemma-2-9b), BATCHES (1 32), RUNS (2), ITERS (20), ARGS (more bench.engine.decode
 # flags), TAG (a suffix of the results' names), DECODE_S (545: the whole call's limit), SHAPE_S (160) and GEMMA_S
-# (230): one shape's limit, cut to what is left of DECODE_S. No WHEELS needed.
+# (230): one shape's limit, cut to what is left of DECODE_S. WHEELS: .whl (the engine's config needs pydantic).
 # Results: bench/results/<slug>-decode-shapes-<shape><TAG>.json per shape and <slug>-decode-shapes<TAG>.log (every
 # shape's JSON lines), copied to $OUT; then a summary: each decode step's ratio to its floor, and to Llama-3-8B's
 # ratio at the same batch and adapters.

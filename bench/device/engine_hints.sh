@@ -3,7 +3,7 @@
 # Llama-3-8B shapes in bf16, rank-16 all-linear adapters of 83.9 MB, M = CAPACITY (8) of them (671 MB: 32 pages of
 # 4 rank rows) for every arm (B: LRU with synchronous loads, A0: prefetch from the engine's queue, A: A0 + hints
 # 50 ms ahead, D: all resident), N = K/2 K 4K 16K, S-LoRA lengths x 1/4, REQUESTS (32) a run (sequential:
-# SEQ_REQUESTS, 300), max batch 32. No WHEELS needed. Two calls, each under 10 minutes:
+# SEQ_REQUESTS, 300), max batch 32. WHEELS: .whl (the engine's config needs pydantic). Two calls, each under 10 minutes:
 #
 #   PART=warm bash bench/device/engine_hints.sh   # the host cache holds every adapter, filled before the clock;
 #                                                 # measures arm D's saturating rate first and runs at 75% of it

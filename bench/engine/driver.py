@@ -21,6 +21,7 @@ import numpy as np
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from bench.workloads import Arrival
+from routing.wire import Hint
 
 HISTOGRAMS = ("stall_seconds", "hint_lead_seconds", "adapter_wait_seconds", "adapter_wait_before_load_seconds",
               "first_token_seconds", "request_seconds")
@@ -96,7 +97,7 @@ class _Player:
         while self.next_hint < len(self.arrivals) and self.arrivals[self.next_hint].t_s - self.hint_lead_s <= self.now():
             adapter = self.arrivals[self.next_hint].adapter
             if adapter is not None:
-                self.engine.hint([self.names[adapter]])
+                self.engine.hint([Hint(self.names[adapter])])
                 self.hinted_at[self.next_hint] = self.now()
             self.next_hint += 1
 

@@ -85,18 +85,19 @@ def engine_config(args, base: Path, adapter_dir: Path):
     """An EngineConfig from the fields this engine has; the rest are reported as skipped."""
     from app.engine.config import EngineConfig
 
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    defaults = EngineConfig(base_model=str(base))
     wanted = {"base_model": str(base), "adapter_roots": (str(adapter_dir),), "num_slots": args.slots,
               "max_batch_size": args.max_batch_size, "dtype": args.dtype,
               "host_cache_bytes": int(args.host_cache_gib * (1 << 30)),
-              "max_queue": max(args.requests + args.adapters, _default(fields.get("max_queue"), 0)),
+              "max_queue": max(args.requests + args.adapters, getattr(defaults, "max_queue", 0)),
               "max_total_tokens": max(2 * args.max_len * args.max_batch_size,
-                                      _default(fields.get("max_total_tokens"), 0))}
+                                      getattr(defaults, "max_total_tokens", 0))}
     for item in args.engine_arg:
         key, _, text = item.partition("=")
         if key not in fields:
             raise SystemExit(f"--engine-arg {key}: EngineConfig has no such field; it has {sorted(fields)}")
-        default = _default(fields[key], "")
+        default = getattr(defaults, key)
         if isinstance(default, bool):
             wanted[key] = text.lower() in ("1", "true", "yes")
         else:  # a field whose default is None is an int (kv_cache_bytes, max_prefill_tokens_per_step, ...)
@@ -109,10 +110,6 @@ def timed_budget(args) -> float | None:
     """--time-budget-s, shortened so that the timed run ends by --stop-by (a lease's hard limit)."""
     budgets = [b for b in (args.time_budget_s, args.stop_by and args.stop_by - time.time()) if b is not None]
     return max(0.0, min(budgets)) if budgets else None
-
-
-def _default(field, fallback):
-    return fallback if field is None or field.default is dataclasses.MISSING else field.default
 
 
 def run_engine(args, base: Path, adapter_dir: Path, names: list[str], work: Workload) -> dict:

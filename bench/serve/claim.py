@@ -69,14 +69,17 @@ def replica_actors() -> dict[str, ray.actor.ActorHandle]:
             for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
 
 
-def call_replica(actor, method: str, *args) -> ray.ObjectRef:
-    """A method of the replica's deployment class on that replica, as Serve's actor transport calls it."""
+def call_replica(actor, method: str, *args, stream: bool = False):
+    """A method of the replica's deployment class on that replica, as Serve's actor transport calls it: an
+    ObjectRef, or with stream (a generator method) an ObjectRefGenerator of its items."""
     from ray.serve._private.common import RequestMetadata
 
     request_id = uuid.uuid4().hex
-    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id, call_method=method,
-                               app_name=APP_NAME)
-    return actor.handle_request.remote(pickle.dumps(metadata), *args)
+    metadata = pickle.dumps(RequestMetadata(request_id=request_id, internal_request_id=request_id, call_method=method,
+                                            app_name=APP_NAME, is_streaming=stream))
+    if stream:
+        return actor.handle_request_streaming.options(num_returns="streaming").remote(metadata, *args)
+    return actor.handle_request.remote(metadata, *args)
 
 
 def engine_snapshots(actors: dict) -> dict[str, dict]:
@@ -97,10 +100,11 @@ def hints_pushed() -> int:
 def warm_host(actors: dict, names: list[str]) -> None:
     """Every adapter through every replica once (one token), so each replica's host cache holds them all."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    refs = [call_replica(actor, "generate", GenerateCall(prompts=[[8, 9, 10, 11]], params=params, adapter_id=name,
-                                                         request_id=f"warm-host-{uid}-{i}"))
-            for uid, actor in actors.items() for i, name in enumerate(names)]
-    errors = [r.body["error"] for r in ray.get(refs, timeout=600) if isinstance(r, ErrorReply)]
+    streams = [call_replica(actor, "stream", GenerateCall(prompts=[[8, 9, 10, 11]], params=params, adapter_id=name,
+                                                          request_id=f"warm-host-{uid}-{i}"), stream=True)
+               for uid, actor in actors.items() for i, name in enumerate(names)]
+    items = [ray.get(ref, timeout=600) for refs in streams for ref in refs]
+    errors = [item.body["error"] for item in items if isinstance(item, ErrorReply)]
     if errors:
         raise RuntimeError(f"{len(errors)} host warm-up requests failed, first: {errors[0]}")
 

@@ -15,9 +15,14 @@ from app.engine.config import EngineConfig
 from app.sampling.params import SamplingParams
 
 
+# The tiny demo's adapters take kilobytes: a small arena keeps each test process's reserved memory small, so that
+# processes it forks (servers, engine children) are not refused under the kernel's overcommit check.
+TEST_HOST_CACHE_BYTES = 64 << 20
+
+
 def engine_config(demo_dir, **overrides) -> EngineConfig:
     fields = dict(base_model=str(Path(demo_dir) / "base"), adapter_roots=(str(Path(demo_dir) / "adapters"),),
-                  num_slots=4, max_rank=16, device="cpu", dtype="float32")
+                  num_slots=4, max_rank=16, device="cpu", dtype="float32", host_cache_bytes=TEST_HOST_CACHE_BYTES)
     fields.update(overrides)
     return EngineConfig(**fields)
 

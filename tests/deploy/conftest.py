@@ -12,7 +12,8 @@ from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
 from deploy import haproxy
-from ray_nodes import INGRESS_DRAINING_S
+from engine_helpers import TEST_HOST_CACHE_BYTES
+from ray_nodes import INGRESS_DRAINING_S, free_ports
 
 
 def free_port() -> int:
@@ -26,6 +27,7 @@ def app_config(demo_dir: Path, replicas: int = 2, **args) -> ServeDeploySchema:
         "base_model": str(demo_dir / "base"), "adapter_roots": [str(demo_dir / "adapters")], "build_demo": False,
         "device": "cpu", "num_slots": 6, "max_batch_size": 4, "max_input_tokens": 256, "max_total_tokens": 4096,
         "default_max_tokens": 16, "max_body_bytes": 65536, "max_pending_requests": 48, "spread_after_s": 0.2,
+        "host_cache_bytes": TEST_HOST_CACHE_BYTES,
     }
     return ServeDeploySchema.model_validate({"applications": [{
         "name": "lora", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": {**base_args, **args},
@@ -69,6 +71,9 @@ def cluster(request, demo_dir, monkeypatch_module):
     # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
     # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
     monkeypatch_module.setenv(haproxy.HAPROXY_ENV, "1" if haproxy.available() else "0")
+    stats, metrics = free_ports(2)  # HAProxy's own ports: modules run side by side under pytest-xdist
+    monkeypatch_module.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
+    monkeypatch_module.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
     monkeypatch_module.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)
     ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
+from engine_helpers import TEST_HOST_CACHE_BYTES
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 8
@@ -44,7 +45,8 @@ def adapters32(demo_dir, tmp_path_factory):
 def expected32(demo_dir, adapters32):
     root, names = adapters32
     engine = LLMEngine(EngineConfig(base_model=f"{demo_dir}/base", adapter_roots=(f"{demo_dir}/adapters", str(root)),
-                                    device="cpu", dtype="float32", num_slots=8))
+                                    device="cpu", dtype="float32", num_slots=8,
+                                    host_cache_bytes=TEST_HOST_CACHE_BYTES))
     out = {}
     for name, path in names.items():
         engine.register_adapter(name, path)

@@ -1,8 +1,8 @@
 """AdapterAffinityRouter with hints off (the A0 arm) places requests as with hints on and sends no hint; with
 hints on, it keeps within each replica's hint room.
 
-The router runs without Serve here: fake replicas and pending requests, a view set by hand, and a fake
-router actor that records push_hint calls.
+The router runs without Serve here: fake replicas and pending requests, a view set by hand (dicts the tests
+change, which the router reads as ReplicaStats), and a fake router actor that records push_hint calls as tuples.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 from deploy.app import replica_options
 from deploy.args import AppArgs
 from deploy.router import AdapterAffinityRouter
+from routing.wire import Hint, HintKind, ReplicaStats
 
 
 ReplicaId = namedtuple("ReplicaId", "unique_id")  # hashable, as the queue-length cache needs
@@ -24,8 +25,19 @@ ReplicaId = namedtuple("ReplicaId", "unique_id")  # hashable, as the queue-lengt
 
 class FakeActor:
     def __init__(self):
-        self.hints = []
-        self.push_hint = SimpleNamespace(remote=lambda *args: self.hints.append(args))
+        self.hints = []  # (replica, adapter, request id) for a waiting hint, with the kind's value after for others
+        self.push_hint = SimpleNamespace(remote=self._record)
+
+    def _record(self, uid: str, hint: Hint) -> None:
+        kind = () if hint.kind is HintKind.WAITING else (hint.kind.value,)
+        self.hints.append((uid, hint.adapter_id, hint.request_id, *kind))
+
+
+class LiveView(dict):
+    """The router's view over dicts that a test changes: each read is the replica's stats as they are now."""
+
+    def get(self, uid, default=None):
+        return ReplicaStats.from_dict(self[uid]) if uid in self else default
 
 
 def replica(uid: str, capacity: int = 2):
@@ -44,7 +56,7 @@ def router(hints: bool, view: dict) -> tuple[AdapterAffinityRouter, FakeActor]:
     r._ensure_refresh = lambda: None
     r._replica_queue_len_cache = {}
     r._outcomes = SimpleNamespace(inc=lambda tags: None)
-    r._actor, r._view, r._view_at = FakeActor(), view, time.monotonic()
+    r._actor, r._view, r._view_at = FakeActor(), view if isinstance(view, LiveView) else LiveView(view), time.monotonic()
     return r, r._actor
 
 
@@ -67,7 +79,7 @@ def test_placement_is_the_same_and_only_hints_on_sends_hints(hints):
     if hints:
         assert sorted(actor.hints) == [("a", "pirate", "r1"), ("b", "pirate", "r1", "incoming")]
     else:
-        assert actor.hints == [] and r._hinted == {} and r._announced == {}
+        assert actor.hints == [] and all(w.hinted_to is None and w.spread_to is None for w in r._requests.values())
 
 
 def test_app_passes_hints_to_the_router():
@@ -86,7 +98,7 @@ def test_a_request_routed_again_is_hinted_once_per_replica_until_it_is_accepted(
         r.on_request_completed(ReplicaId("a"), "r1")  # the rejected attempt's callback
     assert sorted(actor.hints) == [("a", "pirate", "r1"), ("b", "pirate", "r1", "incoming")]
     r.on_request_routed(request, ReplicaId("a"), None)  # accepted: it has left the router
-    assert r._hinted == {} and r._announced == {} and r._waits_at == {}
+    assert r._requests == {}
 
 
 def test_a_request_turned_away_then_sent_elsewhere_withdraws_its_hint():
@@ -101,7 +113,7 @@ def test_a_hinted_request_that_goes_elsewhere_withdraws_its_hint():
     r, actor = router(True, VIEW)
     assert choose(r, pending("pirate", "r1")) == "a"  # waits at the holder: hinted there
     assert choose(r, pending("pirate", "r1", waited_s=1.0)) == "b"  # spreads after all
-    assert ("a", "pirate", "r1", "withdrawn") in actor.hints and "r1" not in r._hinted
+    assert ("a", "pirate", "r1", "withdrawn") in actor.hints and r._requests["r1"].hinted_to is None
 
 
 # Both replicas are full and "a" holds every adapter: each request waits at "a", within its hint room of 2.
@@ -197,6 +209,20 @@ def test_a_cancelled_request_in_front_moves_those_behind_up():
     requests = five_waiting(r)
     requests[0].future = SimpleNamespace(done=lambda: True)  # cancelled by its client
     assert choose(r, requests[4]) == "a"
+
+
+def test_a_request_turned_away_holds_no_place_in_front_until_it_is_routed_again():
+    """Serve gives a request a new future when a full replica turns it away and queues it again, perhaps with
+    no routing task while every task holds a request behind it: those must not wait for it (nor it for them)."""
+    r, _ = router(True, FULL)
+    requests = five_waiting(r)
+    for request in requests[:4]:  # all four sent to a replica: their futures are done
+        request.future = SimpleNamespace(done=lambda: True)
+    assert choose(r, requests[4]) == "a"  # r4 is at the front now
+    for request in requests[:4]:  # all four turned away: queued again with new futures, not yet routed
+        request.future = SimpleNamespace(done=lambda: False)
+    assert choose(r, requests[4]) == "a"  # still at the front: nothing in front of it is being routed
+    assert asyncio.run(r.choose_replicas([replica("a"), replica("b")], requests[0])) != []  # routed again: in front
 
 
 def test_without_hints_the_router_routes_as_many_requests_as_serve_does():

@@ -16,6 +16,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from deploy.state import find_router_state
+from engine_helpers import TEST_HOST_CACHE_BYTES
 
 PROMPT = "Tell me a story."
 
@@ -29,7 +30,8 @@ def manifest(demo_dir):
 def expected(demo_dir, manifest):
     """Engine-alone greedy text for every adapter and the base model."""
     engine = LLMEngine(EngineConfig(base_model=f"{demo_dir}/base", adapter_roots=(f"{demo_dir}/adapters",),
-                                    device="cpu", dtype="float32", num_slots=8))
+                                    device="cpu", dtype="float32", num_slots=8,
+                                    host_cache_bytes=TEST_HOST_CACHE_BYTES))
     out = {}
     for adapter in [None] + [a["name"] for a in manifest["adapters"]]:
         if adapter:
@@ -116,6 +118,26 @@ def test_affinity_repeated_requests_stay_on_the_holding_replica(cluster, manifes
     assert len(set(replicas)) == 1, replicas
     view = cluster.replicas()
     assert adapter in view[replicas[0]]["resident"]
+
+
+def test_a_replica_reports_the_calls_it_serves(cluster, manifest):
+    """The router places by each replica's reported `ongoing` where Serve's queue-length cache lacks the replica: a
+    replica serving a call must say so, or it looks idle."""
+    body = {"model": manifest["adapters"][0]["name"], "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    def ongoing() -> list[int]:
+        return sorted(stats["ongoing"] for stats in cluster.replicas().values())
+
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
+        next(response.iter_lines())  # the call is being served
+        deadline = time.time() + 10
+        while ongoing() != [0, 1]:
+            assert time.time() < deadline, cluster.replicas()
+            time.sleep(0.1)
+    deadline = time.time() + 10
+    while ongoing() != [0, 0]:
+        assert time.time() < deadline, "a replica still counts a call that ended"
+        time.sleep(0.1)
 
 
 def totals(view: dict) -> dict:

@@ -16,6 +16,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from bench.common import completion_stream_text
+from engine_helpers import TEST_HOST_CACHE_BYTES
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 12
@@ -30,7 +31,7 @@ def expected_texts(demo_dir, adapters: dict[str, str], max_tokens: int = MAX_TOK
     """Greedy text of every adapter and the base model, from the engine alone."""
     roots = tuple(sorted({str(Path(p).parent) for p in adapters.values()}))
     engine = LLMEngine(EngineConfig(base_model=f"{demo_dir}/base", adapter_roots=roots, device="cpu",
-                                    dtype="float32", num_slots=8))
+                                    dtype="float32", num_slots=8, host_cache_bytes=TEST_HOST_CACHE_BYTES))
     out = {}
     try:
         for name in [None, *adapters]:

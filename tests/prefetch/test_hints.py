@@ -1,9 +1,6 @@
-"""What the router tells a replica: hint counts per adapter, incoming spreads, where they come from, and how many."""
+"""What a replica holds of the router's hints: one entry per request, incoming spreads, and requests hinted far back."""
 
-import random
-
-from prefetch.hints import HintBook, in_order_batches
-from prefetch.placement import MIN_HINT_ROOM, ReplicaLoad, can_hint, hint_room, place
+from prefetch.hints import HintBook
 
 
 def test_one_entry_per_waiting_request_consumed_by_arrivals():
@@ -68,40 +65,7 @@ def test_hints_and_incoming_expire():
     assert book.incoming() == frozenset()
 
 
-def test_a_request_waiting_at_a_saturated_holder_names_its_spread_target():
-    full = ReplicaLoad("h", ongoing=8, capacity=8, resident=frozenset({"a"}))
-    idle = ReplicaLoad("f", ongoing=1, capacity=8, free_slots=2)
-    rng = random.Random(0)
-    early = place("a", [full, idle], waited_s=0.0, spread_after_s=0.2, rng=rng)
-    assert (early.uid, early.must_wait, early.spread_to) == ("h", True, "f")
-    late = place("a", [full, idle], waited_s=0.5, spread_after_s=0.2, rng=rng)
-    assert (late.uid, late.outcome, late.spread_to) == ("f", "spread", None)
-    both_full = place("a", [full, ReplicaLoad("g", 8, 8)], waited_s=0.0, spread_after_s=0.2, rng=rng)
-    assert both_full.must_wait and both_full.spread_to is None
-
-
-def test_a_waiting_request_keeps_its_replica_while_every_replica_is_full():
-    """A cold request in front of equally full replicas drew a new one at random on every routing attempt (a new
-    hint, and a withdrawn read, each time); it now keeps waiting where it waits, and leaves as soon as any
-    replica has room."""
-    full = [ReplicaLoad("a", 8, 8), ReplicaLoad("b", 8, 8)]
-    rng = random.Random(0)
-    drawn = {place("x", full, waited_s=0.0, spread_after_s=0.2, rng=rng).uid for _ in range(20)}
-    assert drawn == {"a", "b"}  # without the request's own history: a coin flip per attempt
-    assert {place("x", full, 0.0, 0.2, rng=rng, waiting_for="b").uid for _ in range(20)} == {"b"}
-    freed = [ReplicaLoad("a", 7, 8), ReplicaLoad("b", 8, 8)]
-    sent = place("x", freed, 0.0, 0.2, rng=rng, waiting_for="b")
-    assert (sent.uid, sent.must_wait) == ("a", False)
-    gone = place("x", full, 0.0, 0.2, rng=rng, waiting_for="c")  # its replica left: drawn afresh
-    assert gone.uid in ("a", "b") and gone.must_wait
-    holder = [ReplicaLoad("h", 8, 8, resident=frozenset({"x"})), ReplicaLoad("b", 8, 8)]
-    stays = place("x", holder, 0.0, 0.2, rng=rng, waiting_for="b")
-    assert (stays.uid, stays.must_wait, stays.spread_to) == ("b", True, None)
-
-
 def test_a_withdrawn_hint_leaves_the_demand():
-    from prefetch.hints import HintBook
-
     book = HintBook(ttl_s=30)
     book.add("a", 1.0)
     book.add("b", 2.0)
@@ -111,46 +75,6 @@ def test_a_withdrawn_hint_leaves_the_demand():
     book.withdraw("a")
     book.withdraw("c")  # never hinted: nothing to drop
     assert book.demand() == ["b"] and "a" not in book
-
-
-def test_hint_room_is_the_host_cache_less_the_busy_adapters_never_below_the_floor():
-    assert hint_room(host_adapters=16, busy_adapters=0) == 16
-    assert hint_room(host_adapters=16, busy_adapters=10) == 6
-    assert hint_room(host_adapters=16, busy_adapters=20) == MIN_HINT_ROOM == 0
-
-
-def test_the_hint_budget_counts_distinct_adapters():
-    live = {"r1": "a", "r2": "b", "r3": "a"}  # request -> adapter of the live waiting hints at one replica
-    assert not can_hint("c", live.values(), room=2)  # full: two adapters hinted
-    assert can_hint("a", live.values(), room=2)  # already hinted there: costs no room
-    assert can_hint("c", live.values(), room=3)
-    assert can_hint("c", live.values(), room=None)  # a replica that reports no room: no limit
-    assert not can_hint("c", [], room=0) and can_hint("a", ["a"], room=0)  # no room: only an adapter already hinted
-    del live["r2"]  # b's request completed, was withdrawn or expired: room frees
-    assert can_hint("c", live.values(), room=2)
-    live["r4"] = "c"
-    del live["r1"]  # a still has r3 on its way: a and c fill the room
-    assert can_hint("c", live.values(), room=2) and not can_hint("d", live.values(), room=2)
-
-
-def test_a_poll_applies_hints_in_the_order_the_router_sent_them():
-    """The engine applies a batch's waiting hints before its withdrawals; a request hinted, withdrawn and hinted
-    again in one poll must keep its hint (applied as one batch, the second add was a duplicate and the withdrawal
-    then dropped the hint)."""
-    hints = [{"kind": "waiting", "request_id": "r1"}, {"kind": "waiting", "request_id": "r2"},
-             {"kind": "withdrawn", "request_id": "r1"}, {"kind": "incoming", "request_id": "r3"},
-             {"kind": "waiting", "request_id": "r1"}, {"kind": "withdrawn", "request_id": "r2"}]
-    batches = in_order_batches(hints)
-    assert batches == [hints[:4], hints[4:]]
-    book = HintBook(ttl_s=30.0)
-    for batch in batches:  # as Engine.hint applies each batch
-        outcomes = [book.add("a", 0.0, h["request_id"]) for h in batch if h["kind"] == "waiting"]
-        assert "duplicate" not in outcomes
-        for h in batch:
-            if h["kind"] == "withdrawn":
-                book.withdraw("a", h["request_id"])
-    assert book.demand() == ["a"] and book.arrived("a", 1.0, "r1") == 0.0  # r1's hint is there, r2's is not
-    assert in_order_batches([]) == [] and in_order_batches(hints[:2]) == [hints[:2]]
 
 
 def test_a_request_hinted_far_back_is_fetched_only_until_it_nears_the_front():

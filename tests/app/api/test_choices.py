@@ -13,6 +13,7 @@ from app.engine.async_engine import AsyncEngine
 from app.errors import PromptTooLong
 from app.sampling.params import SamplingParams
 from engine_helpers import run_all
+from routing.wire import Hint
 
 
 @pytest.fixture
@@ -138,7 +139,7 @@ def test_the_routers_hint_is_consumed_once_per_request_by_its_first_choice(engin
     adapter = adapter_names[0]
 
     async def main():
-        engine.hint([adapter], hint_ids=["serve-1"])
+        engine.hint([Hint(adapter, "serve-1")])
         async for _ in generate_choices(engine, [manifest["prompts"][0]] * 2, adapter, SamplingParams(max_tokens=2),
                                         n=2, request_id="cmpl-1", hint_id="serve-1"):
             pass

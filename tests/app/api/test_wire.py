@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from app.api.fanout import merge_chunks
-from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall, GenerateResult
+from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall
 from app.errors import CapacityExceeded, SchemaViolation, UnsupportedField
 from app.sampling.logprobs import TokenLogprob
 from app.sampling.params import SamplingParams
@@ -24,7 +24,6 @@ def test_every_shape_crosses_pickling_unchanged():
     items = [GenerateCall(prompts=["hi", [1, 2]], params=SamplingParams(max_tokens=3, stop=("x",)), n=2,
                           adapter_id="pirate", request_id="cmpl-1"),
              chunk(0, "a", (7,), logprobs=lp, prompt_logprobs=(TokenLogprob(1, None),)),
-             GenerateResult([chunk(1, "b", (8,), "stop", 1)], "r1"),
              ErrorReply.of(CapacityExceeded("full", retry_after_s=2))]
     for item in items:
         assert pickle.loads(pickle.dumps(item)) == item

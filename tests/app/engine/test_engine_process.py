@@ -11,6 +11,7 @@ import pytest
 from app.engine.process import DiscardResult, EngineProcess
 from app.errors import AdapterNotFound, EngineUnavailable, InternalError, InvalidRequest
 from engine_helpers import engine_config, greedy, tokens_alone
+from routing.wire import Hint, HintKind
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,13 @@ def test_errors_and_calls_cross_the_pipe(process_engine, manifest):
         with pytest.raises(InvalidRequest):
             await collect(process_engine, [10**9], None, greedy(4))  # a token id past the vocabulary
         stats = await process_engine.call(methodcaller("routing_stats"))
-        assert stats["invariants"] == "ok" and stats["running"] == 0
+        assert stats.invariants == "ok" and stats.running == 0
         with pytest.raises(InternalError, match="could not be sent"):  # an unpicklable result fails, not hangs
             await process_engine.call(methodcaller("__getattribute__", "residency"))  # holds locks and threads
-        process_engine.hint([manifest["adapters"][0]["name"]], [manifest["adapters"][1]["name"]])
+        process_engine.hint([Hint(manifest["adapters"][0]["name"]),
+                             Hint(manifest["adapters"][1]["name"], kind=HintKind.INCOMING)])
         for _ in range(100):  # the hint loads the adapter in the child
-            if manifest["adapters"][0]["name"] in (await process_engine.call(methodcaller("routing_stats")))["resident"]:
+            if manifest["adapters"][0]["name"] in (await process_engine.call(methodcaller("routing_stats"))).resident:
                 break
             await asyncio.sleep(0.05)
         else:
@@ -78,7 +80,7 @@ def test_leaving_a_stream_early_aborts_it_in_the_child(process_engine, manifest)
         await stream.aclose()
         for _ in range(100):
             stats = await process_engine.call(methodcaller("routing_stats"))
-            if stats["running"] == 0 and stats["waiting"] == 0:
+            if stats.running == 0 and stats.waiting == 0:
                 return
             await asyncio.sleep(0.05)
         raise AssertionError("the aborted request is still in the child's engine")

@@ -3,6 +3,7 @@
 import time
 
 from engine_helpers import greedy, run_all
+from routing.wire import Hint, HintKind
 
 
 def test_hint_warms_host_cache_when_every_slot_is_pinned(make_engine, manifest, adapter_names):
@@ -10,7 +11,7 @@ def test_hint_warms_host_cache_when_every_slot_is_pinned(make_engine, manifest, 
     busy, hinted = adapter_names[0], adapter_names[1]
     engine.add_request(manifest["prompts"][0], busy, greedy(60, ignore_eos=True))
     engine.step()  # running: the only slot is pinned
-    engine.hint([hinted])
+    engine.hint([Hint(hinted)])
     deadline = time.time() + 10
     while hinted not in engine.residency.host_cache and time.time() < deadline:
         engine.step()
@@ -26,11 +27,11 @@ def test_hint_warms_host_cache_when_every_slot_is_pinned(make_engine, manifest, 
 
 def test_hint_loads_into_a_free_slot(make_engine, adapter_names):
     engine = make_engine(num_slots=2)
-    engine.hint([adapter_names[2]])
+    engine.hint([Hint(adapter_names[2])])
     deadline = time.time() + 10
     while engine.residency.is_loading() and time.time() < deadline:
         engine.step()
-    assert adapter_names[2] in engine.routing_stats()["resident"]
+    assert adapter_names[2] in engine.routing_stats().resident
     metrics = engine.metrics()
     assert metrics["hints_received"] == 1 and metrics["loads_started"] == 1
 
@@ -39,17 +40,17 @@ def test_a_request_consumes_its_own_hint_by_id_and_a_hint_after_its_request_is_d
                                                                                        adapter_names):
     engine = make_engine(num_slots=2)
     prompt, adapter = manifest["prompts"][0], adapter_names[1]
-    engine.hint([adapter, adapter], hint_ids=["r1", "r2"])
-    engine.hint([adapter], hint_ids=["r1"])  # r1 hinted again (a router that forgot it): kept once
+    engine.hint([Hint(adapter, "r1"), Hint(adapter, "r2")])
+    engine.hint([Hint(adapter, "r1")])  # r1 hinted again (a router that forgot it): kept once
     engine.add_request(prompt, adapter, greedy(2), hint_id="r2")
     assert engine.hints.demand() == [adapter]  # r1 is still on its way
     engine.add_request(prompt, adapter, greedy(2), hint_id="r3")  # it overtook its hint
-    engine.hint([adapter], hint_ids=["r3"])
+    engine.hint([Hint(adapter, "r3")])
     assert engine.hints.demand() == [adapter] and engine.hint_lead.count == 1
     metrics = engine.metrics()
     assert (metrics["hints_received"], metrics["hints_late"], metrics["hints_duplicate"]) == (3, 1, 1)
-    assert engine.routing_stats()["arrivals"]["hints_late"] == 1
-    engine.hint([], withdrawn=[adapter], withdrawn_ids=["r1"])  # r1 went to another replica
+    assert engine.routing_stats().arrivals["hints_late"] == 1
+    engine.hint([Hint(adapter, "r1", HintKind.WITHDRAWN)])  # r1 went to another replica
     assert adapter not in engine.hints
     run_all(engine, check=True)
 
@@ -104,13 +105,13 @@ def test_adapter_the_router_holds_requests_for_is_not_evicted_for_a_one_off(make
     here (incoming): a one-off queued request waits for a slot to free instead of evicting it."""
     prompt = manifest["prompts"][0]
     busy, kept, one_off = adapter_names[:3]
-    for hints, incoming in (([kept, kept], []), ([], [kept])):
+    for hints in ([Hint(kept), Hint(kept)], [Hint(kept, kind=HintKind.INCOMING)]):
         engine = make_engine(num_slots=2)
         engine.add_request(prompt, kept, greedy(1))
         run_all(engine)
         engine.add_request(prompt, busy, greedy(12, ignore_eos=True))  # pins the other slot
         engine.step()
-        engine.hint(hints, incoming)
+        engine.hint(hints)
         request = engine.add_request(prompt, one_off, greedy(2))
         for _ in range(6):
             engine.step()
@@ -137,8 +138,19 @@ def test_queued_adapter_cached_on_the_host_runs_in_the_step_that_loads_it(make_e
 
 def test_a_hint_withdrawn_in_the_same_batch_leaves_no_demand(make_engine, adapter_names):
     engine = make_engine(num_slots=2)
-    engine.hint([adapter_names[0], adapter_names[1]], withdrawn=[adapter_names[0]])
+    engine.hint([Hint(adapter_names[0]), Hint(adapter_names[1]), Hint(adapter_names[0], kind=HintKind.WITHDRAWN)])
     assert engine.hints.demand() == [adapter_names[1]]
+
+
+def test_hints_apply_in_the_order_the_router_sent_them(make_engine, adapter_names):
+    """A request hinted, withdrawn and hinted again in one poll keeps its hint; one withdrawn last does not."""
+    engine = make_engine(num_slots=2)
+    a = adapter_names[0]
+    engine.hint([Hint(a, "r1"), Hint(a, "r2"), Hint(a, "r1", HintKind.WITHDRAWN), Hint(a, "r3", HintKind.INCOMING),
+                 Hint(a, "r1"), Hint(a, "r2", HintKind.WITHDRAWN)])
+    assert engine.hints.demand() == [a] and engine.metrics()["hints_duplicate"] == 0
+    assert engine.hints.arrived(a, time.monotonic(), "r1") is not None  # r1's hint is there
+    assert a not in engine.hints.demand()  # and r2's is not
 
 
 def test_routing_stats_report_the_hint_room(make_engine, manifest, adapter_names):
@@ -147,14 +159,14 @@ def test_routing_stats_report_the_hint_room(make_engine, manifest, adapter_names
     layout = sizing.residency.layout
     engine = make_engine(host_cache_bytes=3 * layout.adapter_nbytes(layout.max_rank, sizing.dtype))
     stats = engine.routing_stats()
-    assert (stats["host_cache_adapters"], stats["hint_room"]) == (3, 3)
+    assert (stats.host_cache_adapters, stats.hint_room) == (3, 3)
     for adapter in adapter_names[:2]:
         engine.add_request(manifest["prompts"][0], adapter, greedy(3))
-    assert engine.routing_stats()["hint_room"] == 1
+    assert engine.routing_stats().hint_room == 1
     engine.add_request(manifest["prompts"][0], adapter_names[2], greedy(3))
-    assert engine.routing_stats()["hint_room"] == 0  # its own requests fill the host cache: no hints
+    assert engine.routing_stats().hint_room == 0  # its own requests fill the host cache: no hints
     run_all(engine, check=True)
-    assert engine.routing_stats()["hint_room"] == 3
+    assert engine.routing_stats().hint_room == 3
 
 
 def test_a_hinted_read_waits_for_an_idle_disk(make_engine, manifest, adapter_names):
@@ -169,7 +181,7 @@ def test_a_hinted_read_waits_for_an_idle_disk(make_engine, manifest, adapter_nam
     read = cache._read_fn
     cache._read_fn = lambda adapter_id, pages: gate.wait(10) and read(adapter_id, pages)
     engine.add_request(manifest["prompts"][0], queued, greedy(2))
-    engine.hint([hinted])
+    engine.hint([Hint(hinted)])
     engine.step()
     assert cache.pending_reads() == 1 and hinted not in cache, "the hinted read started beside the queued one"
     gate.set()
@@ -190,17 +202,17 @@ def test_routing_stats_check_invariants_when_idle_and_rarely_when_busy(make_engi
     calls = []
     check = engine.check_invariants
     monkeypatch.setattr(engine, "check_invariants", lambda: calls.append(1) or check())
-    assert engine.routing_stats()["invariants"] == "ok" and len(calls) == 1
+    assert engine.routing_stats().invariants == "ok" and len(calls) == 1
     engine.routing_stats()
     assert len(calls) == 2  # idle: checked every time
     engine.add_request(manifest["prompts"][0], adapter_names[0], greedy(3))
     engine.step()
     for _ in range(3):
-        assert engine.routing_stats()["invariants"] == "ok"
+        assert engine.routing_stats().invariants == "ok"
     assert len(calls) == 2  # busy: the last result stands
     monkeypatch.setattr(report, "INVARIANTS_BUSY_EVERY_S", 0.0)
     engine.residency.pool.pages._free.append(engine.residency.pool.pages._free[0])  # a page free twice
-    assert engine.routing_stats()["invariants"].startswith("violated")
+    assert engine.routing_stats().invariants.startswith("violated")
     assert len(calls) == 3
 
 
@@ -210,7 +222,7 @@ def test_hinted_arrivals_are_counted_by_where_their_adapter_was(make_engine, man
     busy, warmed, cold = adapter_names[:3]
     engine.add_request(manifest["prompts"][0], busy, greedy(40, ignore_eos=True))
     engine.step()  # the only slot is pinned: a hint can reach the host cache at most
-    engine.hint([warmed])
+    engine.hint([Hint(warmed)])
     deadline = time.time() + 10
     while warmed not in engine.residency.host_cache and time.time() < deadline:
         engine.step()
@@ -243,16 +255,16 @@ def test_a_hint_from_far_back_loads_nothing_until_the_request_nears_the_front(ma
     `waiting` loads it as any hint does, and counts as the same hint."""
     engine = make_engine(num_slots=2)
     adapter = adapter_names[2]
-    engine.hint([], ahead=[adapter], ahead_ids=["r1"])
+    engine.hint([Hint(adapter, "r1", HintKind.AHEAD)])
     for _ in range(5):
         engine.step()
-    assert not engine.residency.is_loading() and adapter not in engine.routing_stats()["resident"]
+    assert not engine.residency.is_loading() and adapter not in engine.routing_stats().resident
     assert adapter not in engine.residency.host_cache and engine.hints.ahead() == [adapter]
-    engine.hint([adapter], hint_ids=["r1"])  # near the front now
+    engine.hint([Hint(adapter, "r1")])  # near the front now
     deadline = time.time() + 10
-    while adapter not in engine.routing_stats()["resident"] and time.time() < deadline:
+    while adapter not in engine.routing_stats().resident and time.time() < deadline:
         engine.step()
-    assert adapter in engine.routing_stats()["resident"] and engine.metrics()["hints_received"] == 1
+    assert adapter in engine.routing_stats().resident and engine.metrics()["hints_received"] == 1
 
 
 def test_remote_adapters_of_far_back_hints_are_fetched_to_the_node_after_nearer_ones(make_engine, manifest,
@@ -264,8 +276,8 @@ def test_remote_adapters_of_far_back_hints_are_fetched_to_the_node_after_nearer_
     engine.residency._fetch_ahead = lambda adapter_ids, urgent: fetched.append((adapter_ids, urgent))
     engine.residency._on_node, engine.residency._is_fetching = on_node.__contains__, downloading.__contains__
     queued, near, far = adapter_names[:3]
-    engine.hint([], ahead=[far], ahead_ids=["r3"])
-    engine.hint([near], hint_ids=["r2"])
+    engine.hint([Hint(far, "r3", HintKind.AHEAD)])
+    engine.hint([Hint(near, "r2")])
     downloading.add(queued)
     engine.add_request(manifest["prompts"][0], queued, greedy(2))
     for _ in range(3):
@@ -276,4 +288,4 @@ def test_remote_adapters_of_far_back_hints_are_fetched_to_the_node_after_nearer_
     downloading.clear()
     on_node.update(adapter_names)  # on the node now: the near one goes up the tiers, the far one stays
     run_all(engine, check=True)
-    assert near in engine.routing_stats()["resident"] and engine.residency.pool.lookup(far) is None
+    assert near in engine.routing_stats().resident and engine.residency.pool.lookup(far) is None

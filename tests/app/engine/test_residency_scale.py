@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_helpers import greedy, run_all
+from routing.wire import Hint
 
 RANKS = (1, 2, 4, 6, 8, 12, 16)
 
@@ -64,10 +65,10 @@ def test_mixed_ranks_share_the_pool_at_its_budget(make_engine, manifest, adapter
     budget = 2 * max_rank_bytes(probe)
     engine = make_engine(num_slots=None, adapter_memory_bytes=budget, max_inflight_loads=8)
     assert engine.residency.pool.num_pages * engine.residency.layout.page_nbytes(engine.dtype) == budget
-    engine.hint(small)
+    engine.hint([Hint(a) for a in small])
     while engine.has_work():
         engine.step()
-    assert sorted(engine.routing_stats()["resident"]) == sorted(small)
+    assert sorted(engine.routing_stats().resident) == sorted(small)
     assert engine.residency.pool.free_page_count() == 8 - sum(-(-ranks[a] // 4) for a in small)
     engine.check_invariants()
     padded = make_engine(num_slots=8)
@@ -103,7 +104,7 @@ def test_hundreds_of_adapters_churn_through_a_small_pool(make_engine, many_adapt
                     prompt, adapter, n = jobs[i]
                     index_of[engine.add_request(prompt, adapter, greedy(n)).request_id] = i
             if pending and rng.random() < 0.3:
-                engine.hint(rng.sample(names, 3))  # hints for requests that go elsewhere (each starts loads)
+                engine.hint([Hint(a) for a in rng.sample(names, 3)])  # hints for requests that go elsewhere (each starts loads)
             for output in engine.step():
                 assert output.error is None, output.error
                 tokens.setdefault(index_of[output.request_id], []).extend(output.token_ids)

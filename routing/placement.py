@@ -9,8 +9,7 @@ import random
 from collections.abc import Collection
 from dataclasses import dataclass
 
-# No room, no hint: a read past the host cache would evict an adapter in use (floor 1: A 3702/8197 ms TTFT,
-# 197 disk reads, against 2761/5855 ms and 158 reads without hints; docs/benchmarks.md).
+# No room, no hint: a read past the host cache would evict an adapter in use.
 MIN_HINT_ROOM = 0
 
 
@@ -49,8 +48,7 @@ def place(adapter_id: str | None, replicas: list[ReplicaLoad], waited_s: float, 
 
     waiting_for: the replica this request already waits for. While it must wait anyway it keeps waiting
     there, so the hint it was given (and the read that hint started) stays of use. Without this, a cold request
-    in front of equally full replicas drew a new one on every routing attempt: on the H100 claim bench 617 hints
-    for 192 requests, and 36% more disk reads than without hints."""
+    in front of equally full replicas would draw a new one on every routing attempt and leave a hint at each."""
     rng = rng or random
     if not replicas:
         raise ValueError("no replicas to place on")
@@ -87,8 +85,8 @@ def _place(adapter_id, replicas, waited_s, spread_after_s, recent, rng) -> Place
 def hint_room(host_adapters: int, busy_adapters: int) -> int:
     """How many distinct adapters a replica takes hints for: what its host cache holds at max_rank, less the
     adapters its own running and queued requests use. Hints past that room read adapters that evict those read
-    for requests due sooner (with a 16-adapter host cache and 15-27 requests waiting in the router, hints
-    doubled the disk reads and TTFT). A replica whose host cache its own requests fill takes no hint."""
+    for requests due sooner, so those are read from disk twice. A replica whose host cache its own requests
+    fill takes no hint."""
     return max(MIN_HINT_ROOM, host_adapters - busy_adapters)
 
 

@@ -58,7 +58,7 @@ class Ingress:
         self.vocab_size = base_config.vocab_size
         self.validator = AdapterRegistry(self.args.adapter_roots, base_config, self.args.max_rank,
                                          self.args.max_adapter_bytes, fetch_timeout_s=self.args.adapter_fetch_timeout_s)
-        self.adapters: dict[str, str] = self.args.initial_adapters()  # refreshed from the router actor
+        self.adapters: dict[str, str] = {}  # the router actor's registry, as last read (on demand)
         context = serve.get_replica_context()
         self.app_name, self.code_version = context.app_name, context.code_version
         self._router_state: ActorHandle | None = None

@@ -15,13 +15,13 @@ from ray import serve
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from app.adapters.registry import VALIDATIONS_AT_ONCE
 from app.api.fanout import generate_choices, output_chunk
 from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall
 from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, freeze_heap
-from app.engine.process import DiscardResult, EngineProcess
+from app.engine.process import EngineProcess
+from app.engine.registry_mirror import RegistryMirror
 from app.engine.engine import LLMEngine
-from app.errors import AdapterInUse, AdapterNotFound, EngineUnavailable, InternalError, ServingError
+from app.errors import InternalError, ServingError
 from deploy import metrics
 from deploy.args import AppArgs
 from deploy.state import find_router_state
@@ -29,6 +29,8 @@ from routing.wire import ReplicaStats
 
 log = logging.getLogger("ray.serve")
 POLL_TIMEOUT_S = 0.5
+FIRST_REGISTRY_S = 30.0
+SNAPSHOT_TIMEOUT_S = 10.0
 METRICS_EVERY_S = 0.5  # how often the engine's metrics go to Prometheus (each read takes the engine thread's time)
 ARRIVAL_KINDS = {"hint_hits": "hit", "inflight_hits": "inflight", "misses": "miss"}  # engine counter -> metric tag
 HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_from_disk": "disk",
@@ -49,12 +51,9 @@ class LoRAReplica:
         else:
             self.engine = AsyncEngine(await asyncio.to_thread(LLMEngine, config))
         self.engine.stream_interval_s = self.args.stream_interval_ms / 1000
-        self.adapters: dict[str, str] = {}  # name -> path, as the engine has it registered
-        self._wanted: dict[str, str] = {}  # name -> path, as the application's registry has it
-        self._deferred: set[str] = set()  # names whose change waits for their requests to finish
-        self._registry_lock = asyncio.Lock()
         self._ongoing = 0  # calls in stream(), which Serve counts against max_ongoing_requests
-        await self._sync_adapters(self.args.initial_adapters())
+        self.registry = RegistryMirror(self.engine, self._registry_snapshot)
+        await self.registry.sync(await self._first_registry())
         await self.engine.call(freeze_heap)  # the engine and its adapters live as long as the process
         self._known: tuple | None = None
         self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
@@ -80,8 +79,8 @@ class LoRAReplica:
         """Each choice's chunks as they come, or one ErrorReply (then nothing more)."""
         self._ongoing += 1
         try:
-            if call.adapter_id is not None and not self._is_current(call.adapter_id):
-                await self._adopt(call.adapter_id)
+            if call.adapter_id is not None and not self.registry.is_current(call.adapter_id):
+                await self.registry.adopt(call.adapter_id)
             async for index, output in generate_choices(self.engine, call.prompts, call.adapter_id, call.params,
                                                         call.n, call.request_id, _hint_id()):
                 yield output_chunk(index, output, self.uid)
@@ -116,79 +115,22 @@ class LoRAReplica:
 
     # --- registry -------------------------------------------------------------------------------
 
-    def _is_current(self, name: str) -> bool:
-        return name in self.adapters and self._wanted.get(name) == self.adapters[name]
+    async def _registry_snapshot(self) -> dict[str, str] | None:
+        """The application's registry from its owner, the router actor; None while it is unreachable."""
+        try:
+            actor = await self._state()
+            return (await asyncio.wait_for(actor.adapters_snapshot.remote(), SNAPSHOT_TIMEOUT_S))["adapters"]
+        except Exception:  # noqa: BLE001 - restarting or gone: the caller goes by what it has
+            self._router_state = None
+            return None
 
-    async def _sync_adapters(self, wanted: dict[str, str]) -> None:
-        """Make this replica's registry equal `wanted` (the application's registry), as far as it can now."""
-        async with self._registry_lock:
-            self._wanted = dict(wanted)
-            for name in [n for n in self.adapters if n not in wanted]:
-                await self._sync_one(name)
-            # At once, a few at a time: a remote adapter's validation waits a round trip to its store, and
-            # hundreds of them one after another would hold a replica's start for a minute.
-            gate = asyncio.Semaphore(VALIDATIONS_AT_ONCE)
-
-            async def sync(name: str) -> None:
-                async with gate:
-                    await self._sync_one(name)
-
-            await asyncio.gather(*(sync(name) for name in wanted))
-
-    async def _sync_one(self, name: str) -> None:
-        """Bring the engine's registration of `name` to self._wanted's (caller holds the registry lock).
-
-        The engine keeps an adapter while requests use it; until they finish, the name stays deferred, requests
-        for it are refused (see _adopt), and the sync loop retries."""
-        held, path = self.adapters.get(name), self._wanted.get(name)
-        if held == path:
-            self._deferred.discard(name)
-            return
-        if held is not None:
-            try:
-                await self.engine.call(methodcaller("unregister_adapter", name))
-            except AdapterInUse as e:
-                if name not in self._deferred:
-                    log.info("deferring the change of adapter %s until its requests finish: %s", name, e)
-                    self._deferred.add(name)
-                return
-            except AdapterNotFound:
-                pass
-            del self.adapters[name]
-            self._deferred.discard(name)
-        if path is not None:
-            try:
-                await self.engine.call_aside(DiscardResult(methodcaller("register_adapter", name, path)))
-                self.adapters[name] = path
-            except ServingError as e:
-                log.warning("adapter %s at %s refused: %s", name, path, e)
-
-    async def _retry_deferred(self) -> None:
-        async with self._registry_lock:
-            for name in list(self._deferred):
-                await self._sync_one(name)
-
-    async def _adopt(self, adapter_id: str) -> None:
-        """A request for a name this replica does not hold as the registry does: registered moments ago and not
-        yet synced here, or changed while requests use its old weights. Serve it from the registry's current
-        entry, or refuse it; never with weights the registry no longer names."""
-        async with self._registry_lock:
-            try:
-                snapshot = await (await self._state()).adapters_snapshot.remote()
-            except Exception:
-                snapshot = None  # the registry is unreachable: go by the last one this replica saw
-            if snapshot is not None:
-                if adapter_id in snapshot["adapters"]:
-                    self._wanted[adapter_id] = snapshot["adapters"][adapter_id]
-                else:
-                    self._wanted.pop(adapter_id, None)
-            await self._sync_one(adapter_id)
-            if adapter_id not in self.adapters or self._is_current(adapter_id):
-                return  # current, or the engine answers with its own AdapterNotFound
-            if adapter_id not in self._wanted:
-                raise AdapterNotFound(f"adapter {adapter_id!r} is not registered")
-            raise EngineUnavailable(f"adapter {adapter_id!r} was registered again to {self._wanted[adapter_id]}; "
-                                    "requests still use its previous weights here; retry shortly", retry_after_s=1)
+    async def _first_registry(self) -> dict[str, str]:
+        """The registry this replica starts with. Serve starts the router actor with the deployment; should it
+        not answer within FIRST_REGISTRY_S, the replica starts empty and its first report fills the registry."""
+        deadline = time.monotonic() + FIRST_REGISTRY_S
+        while (snapshot := await self._registry_snapshot()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        return snapshot or {}
 
     async def _state(self) -> ActorHandle:
         """The router actor, looked up again after _sync_loop drops a dead one (Serve recreates it)."""
@@ -207,13 +149,13 @@ class LoRAReplica:
                     self.engine.hint(list(reply.hints))
                 if reply.adapters is not None:
                     if self._known is not None and reply.epoch != self._known[0]:
-                        await actor.restore.remote(self._wanted)  # a recreated actor lost registrations
+                        await actor.restore.remote(self.registry.wanted)  # a recreated actor lost registrations
                         self._known = None
                         continue
-                    await self._sync_adapters(reply.adapters)
+                    await self.registry.sync(reply.adapters)
                     self._known = (reply.epoch, reply.version)
-                elif self._deferred:
-                    await self._retry_deferred()
+                elif self.registry.deferred:
+                    await self.registry.retry_deferred()
                 if time.monotonic() - self._exported_at >= METRICS_EVERY_S:  # hints can end a poll many times a second
                     self._exported_at = time.monotonic()
                     await self._export_metrics()

@@ -71,7 +71,7 @@ def cluster(request, demo_dir, monkeypatch_module):
     # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
     # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
     monkeypatch_module.setenv(haproxy.HAPROXY_ENV, "1" if haproxy.available() else "0")
-    stats, metrics = free_ports(2)  # HAProxy's own ports: modules run side by side under pytest-xdist
+    stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
     monkeypatch_module.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
     monkeypatch_module.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
     monkeypatch_module.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)

@@ -130,7 +130,7 @@ def test_a_replica_reports_the_calls_it_serves(cluster, manifest):
 
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
         next(response.iter_lines())  # the call is being served
-        deadline = time.time() + 10
+        deadline = time.time() + 30
         while ongoing() != [0, 1]:
             assert time.time() < deadline, cluster.replicas()
             time.sleep(0.1)

@@ -68,7 +68,7 @@ def app(nodes, demo_dir, tmp_path_factory):
     wait_for(lambda: len(replica_view(url)) == 2, 120, what="two replicas reporting")
     head_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "lora_head" in n["Resources"])
     on_node = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    for actor in list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000):
         if actor.class_name.endswith("LoRAReplica") and actor.name:
             on_node["head" if actor.node_id == head_node else "worker"] = actor.name.rsplit("#", 1)[-1]
         elif actor.name and actor.name.endswith("::router_state"):

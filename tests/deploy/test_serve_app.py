@@ -123,21 +123,25 @@ def test_affinity_repeated_requests_stay_on_the_holding_replica(cluster, manifes
 def test_a_replica_reports_the_calls_it_serves(cluster, manifest):
     """The router places by each replica's reported `ongoing` where Serve's queue-length cache lacks the replica: a
     replica serving a call must say so, or it looks idle."""
-    body = {"model": manifest["adapters"][0]["name"], "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True,
+    body = {"model": manifest["adapters"][0]["name"], "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
             "stream": True}
+
     def ongoing() -> list[int]:
         return sorted(stats["ongoing"] for stats in cluster.replicas().values())
 
+    def until(expected: list[int], timeout_s: float, what: str) -> None:
+        deadline, seen = time.time() + timeout_s, ongoing()
+        while seen != expected:
+            assert time.time() < deadline, f"{what}: the replicas report {seen} calls, not {expected}"
+            time.sleep(0.05)
+            seen = ongoing()
+
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
-        next(response.iter_lines())  # the call is being served
-        deadline = time.time() + 30
-        while ongoing() != [0, 1]:
-            assert time.time() < deadline, cluster.replicas()
-            time.sleep(0.1)
-    deadline = time.time() + 10
-    while ongoing() != [0, 0]:
-        assert time.time() < deadline, "a replica still counts a call that ended"
-        time.sleep(0.1)
+        assert response.status_code == 200
+        lines = response.iter_lines()  # kept: a generator dropped closes the connection, which ends the call
+        next(lines)  # the call is being served; it waits for the client, which reads no more
+        until([0, 1], 30, "during the call")
+    until([0, 0], 30, "after the call")
 
 
 def totals(view: dict) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from urllib.parse import unquote
 
 import torch
 
@@ -88,6 +89,115 @@ def check_enforced(schema, path: str = "schema") -> None:
                 check_enforced(item, f"{path}.{key}.{name}")
 
 
+def check_finite(schema) -> None:
+    """InvalidResponseFormat if the schema has no finite instance: every way to build one needs another instance of
+    itself, as {"$ref": "#"} does. xgrammar compiles such a schema into a grammar that allows no token, or none that
+    can ever complete.
+
+    Decided on the schema's reference graph (which subschemas an instance of each one must contain), not by asking
+    a matcher whether any first token is allowed: an object whose required property refers back to it allows
+    '{"a": {"a": ...' forever, so its first steps look fine."""
+    alternatives, paths = _instance_graph(schema)
+    finite: set[int] = set()
+    changed = True
+    while changed:  # the least fixpoint, children first (paths lists them after their parents): a tree takes one pass
+        changed = False
+        for key in reversed(paths):
+            if key not in finite and any(all(id(d) in finite for d in alt) for alt in alternatives[key]):
+                finite.add(key)
+                changed = True
+    if id(schema) not in finite:
+        cycle = _cycle(schema, alternatives, finite, paths)
+        raise InvalidResponseFormat(
+            f"response_format.json_schema.schema has no finite instance: {cycle[-1]} refers only to itself "
+            f"({' -> '.join(cycle)}); give the recursion a way to end, such as an optional property or an anyOf "
+            "branch without the $ref")
+
+
+def _instance_graph(schema) -> tuple[dict[int, list[list]], dict[int, str]]:
+    """For each subschema an instance of `schema` may need (by id): its alternatives, each a list of the
+    subschemas one of its instances must contain; and each one's path, in the order found."""
+    alternatives, paths, todo = {}, {id(schema): "schema"}, [schema]
+    while todo:
+        node = todo.pop()
+        alternatives[id(node)] = alts = _alternatives(node, schema)
+        for dep, where in (need for alt in alts for need in alt):
+            if id(dep) not in paths:  # a ref's path is whole; any other is relative to its parent's
+                paths[id(dep)] = where if where.startswith("schema") else paths[id(node)] + where
+                todo.append(dep)
+    alternatives = {key: [[dep for dep, _ in alt] for alt in alts] for key, alts in alternatives.items()}
+    return alternatives, paths
+
+
+# The keywords from which xgrammar infers an object or an array where a schema names no type.
+_TYPE_KEYWORDS = {"object": ("properties", "required"), "array": ("items", "prefixItems", "minItems")}
+
+
+def _alternatives(node, root) -> list[list[tuple[dict, str]]]:
+    """The ways to build an instance of node, in the order xgrammar's converter reads a schema: a $ref replaces its
+    siblings, anyOf and allOf come before type. Each way lists the (subschema, path) its instances contain. Anything
+    else (a leaf, a boolean schema, a $ref this check cannot follow) counts as finite: xgrammar reports what it
+    cannot compile."""
+    if not isinstance(node, dict):
+        return [[]]
+    if isinstance(node.get("$ref"), str):
+        return [_needs(*_resolve(root, node["$ref"]))]
+    if "const" in node or "enum" in node:
+        return [[]]
+    if isinstance(node.get("anyOf"), list):
+        return [_needs(s, f".anyOf[{i}]") for i, s in enumerate(node["anyOf"])] or [[]]
+    if isinstance(node.get("allOf"), list):
+        return [[need for i, s in enumerate(node["allOf"]) for need in _needs(s, f".allOf[{i}]")]]
+    inferred = [t for t, keys in _TYPE_KEYWORDS.items() if any(k in node for k in keys)]
+    types = node.get("type", inferred or None)
+    types = [types] if isinstance(types, str) or types is None else types
+    return [_contents(node, t) for t in types] or [[]]
+
+
+def _contents(node: dict, type_) -> list[tuple[dict, str]]:
+    """What every instance of node of this type contains: its required properties, or an array's first minItems
+    items."""
+    if type_ == "object" and isinstance(node.get("properties"), dict) and isinstance(node.get("required"), list):
+        properties = node["properties"]
+        return [need for name in node["required"] if isinstance(name, str)
+                for need in _needs(properties.get(name), f".properties.{name}")]
+    if type_ == "array" and isinstance(node.get("minItems"), int):
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        needed = [need for i, s in enumerate(prefix[:node["minItems"]]) for need in _needs(s, f".prefixItems[{i}]")]
+        return needed + (_needs(node.get("items"), ".items") if node["minItems"] > len(prefix) else [])
+    return []
+
+
+def _needs(subschema, where: str) -> list[tuple[dict, str]]:
+    return [(subschema, where)] if isinstance(subschema, dict) else []
+
+
+def _resolve(root, ref: str) -> tuple[object, str]:
+    """The subschema a local $ref (a JSON pointer) names, and its path; None for any other reference."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None, ""
+    node, where = root, "schema"
+    for token in ref[2:].split("/") if ref != "#" else ():
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node, where = node[int(token)], f"{where}[{token}]"
+        elif isinstance(node, dict) and token in node:
+            node, where = node[token], f"{where}.{token}"
+        else:
+            return None, ""
+    return node, where
+
+
+def _cycle(schema, alternatives, finite: set[int], paths) -> list[str]:
+    """Paths from the root along subschemas with no finite instance, up to the first one seen twice."""
+    seen, node_id = [], id(schema)
+    while node_id not in seen:
+        seen.append(node_id)
+        alt = alternatives[node_id][0]
+        node_id = next(id(d) for d in alt if id(d) not in finite)
+    return [paths[k] for k in seen[seen.index(node_id):]] + [paths[node_id]]
+
+
 class GrammarCompiler:
     """Compiles response_format specs for one tokenizer; thread-safe, so it runs beside the engine loop."""
 
@@ -106,6 +216,7 @@ class GrammarCompiler:
             if request["type"] == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             check_enforced(request["schema"])
+            check_finite(request["schema"])
             return compiler.compile_json_schema(json.dumps(request["schema"]), any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
             first_line = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -184,5 +184,8 @@ BAD_INPUT = [
     Case("chat schema keyword the grammar does not enforce", 400, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 7}}}),
          chat=True, code="invalid_response_format"),
+    Case("chat schema with no finite instance", 400, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}), chat=True,
+         code="invalid_response_format"),
     Case("chat unknown field", 400, chat(echo=True), chat=True, code="unsupported_parameter"),
 ]

@@ -311,3 +311,45 @@ def test_enforced_keywords_still_compile(engine):
     request = engine.add_request(PROMPT, None, greedy(10, response_format=json_schema_spec(schema)))
     assert engine.has_requests()
     engine.abort(request.request_id)
+
+
+# Schemas every instance of which contains another instance of themselves: xgrammar compiles them into a grammar
+# that allows no token, or none that ever completes.
+NO_FINITE_INSTANCE = [
+    ({"$ref": "#"}, "schema -> schema"),
+    ({"anyOf": [{"$ref": "#"}]}, "schema -> schema.anyOf[0] -> schema"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "schema.$defs.a -> schema.$defs.a"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     "schema -> schema.properties.a -> schema"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "schema -> schema.items -> schema"),
+]
+
+
+@pytest.mark.parametrize("schema, cycle", NO_FINITE_INSTANCE, ids=[c for _, c in NO_FINITE_INSTANCE])
+def test_a_schema_with_no_finite_instance_is_a_400_naming_its_cycle(engine, schema, cycle):
+    with pytest.raises(InvalidResponseFormat, match="has no finite instance: .* refers only to itself") as refusal:
+        engine.add_request(PROMPT, None, greedy(10, response_format=json_schema_spec(schema)))
+    assert f"({cycle})" in refusal.value.message
+    assert refusal.value.status_code == 400 and refusal.value.to_openai()["error"]["param"] == "response_format"
+    assert not engine.has_requests()
+
+
+def test_a_schema_with_no_finite_instance_through_the_async_engine_is_a_400(async_engine):
+    body = chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}})
+    with pytest.raises(InvalidResponseFormat, match="schema has no finite instance: schema refers only to itself"):
+        run_body(async_engine, body, [PROMPT], chat=True)
+    assert asyncio.run(async_engine.call(lambda e: e.has_requests())) is False
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"$ref": "#"}, {"type": "integer"}]},
+    {"type": "array", "items": {"$ref": "#"}},
+    {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}, {"type": "null"}]},
+               "b": {"type": "object", "properties": {"next": {"$ref": "#/$defs/a"}}, "required": ["next"]}},
+     "$ref": "#/$defs/b"},
+])
+def test_a_recursion_that_can_end_still_compiles(engine, schema):
+    request = engine.add_request(PROMPT, None, greedy(10, response_format=json_schema_spec(schema)))
+    engine.abort(request.request_id)
+

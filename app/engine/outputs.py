@@ -8,6 +8,7 @@ import time
 from app.engine.detokenizer import IncrementalText
 from app.sampling.logprobs import TokenLogprob
 from app.engine.request import Request, RequestOutput
+from app.sampling.structured import InvalidResponseFormat
 
 
 def append_token(request: Request, token: int, logprob, tokenizer, eos_ids: set[int],
@@ -20,6 +21,8 @@ def append_token(request: Request, token: int, logprob, tokenizer, eos_ids: set[
     if params.max_tokens == 0:  # echo: the prompt (and its logprobs) only
         request.finish_reason = "length"
         return make_output(request, "", ())
+    if request.grammar is not None and request.grammar.is_dead_end:
+        return _dead_end(request)
     request.output_ids.append(token)
     if request.grammar is not None:
         request.grammar.advance(token)
@@ -49,6 +52,16 @@ def append_token(request: Request, token: int, logprob, tokenizer, eos_ids: set[
     request.emitted = max(request.emitted, end)
     request.finish_reason = finish
     return make_output(request, delta, (token,), logprobs=() if logprob is None else (logprob,))
+
+
+def _dead_end(request: Request) -> RequestOutput:
+    """The grammar allowed no token at all this step, so the sampled one is not output: the request ends with an
+    error, and the rest of the batch goes on."""
+    request.finish_reason = "error"
+    return make_output(request, "", (), error=InvalidResponseFormat(
+        f"response_format's grammar allows no next token after {len(request.output_ids)} generated tokens, so "
+        "the output cannot be completed; a subschema with no finite instance (one that refers only to itself) "
+        "leads here"))
 
 
 def make_output(request: Request, text: str, tokens: tuple, error=None, logprobs=()) -> RequestOutput:

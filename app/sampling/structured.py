@@ -246,10 +246,14 @@ class Grammar:
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self._vocab_size = vocab_size
         self._stop_ids = torch.tensor(stop_ids, dtype=torch.long)
+        # The last fill allowed no token: the row's logits are all -inf, so whatever it samples breaks the
+        # grammar. Read by the engine, which ends the request instead (app/engine/outputs.py).
+        self.is_dead_end = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] ([rows, ceil(V/32)] int32 on the host)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self.is_dead_end = not bool(bitmask[row].any())  # on the host already: no sync
 
     def advance(self, token: int) -> bool:
         """Feed the sampled token; False if the grammar refuses it (the mask lets no such token through)."""

@@ -353,3 +353,28 @@ def test_a_recursion_that_can_end_still_compiles(engine, schema):
     request = engine.add_request(PROMPT, None, greedy(10, response_format=json_schema_spec(schema)))
     engine.abort(request.request_id)
 
+
+def test_a_grammar_that_allows_no_token_mid_output_ends_only_its_request(engine):
+    """An optional property whose schema refers only to itself: the object has instances ({}), but once the model
+    writes '{"a": ' the grammar allows nothing. Biasing '}' away makes greedy decoding walk into it."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/loop"}},
+              "$defs": {"loop": {"$ref": "#/$defs/loop"}}}
+    close = engine.tokenizer.convert_tokens_to_ids("}")
+    plain = ("Once upon a time", greedy(30))
+    [alone] = generate(engine, [plain])
+    stuck = engine.add_request(PROMPT, None, greedy(30, response_format=json_schema_spec(schema),
+                                                    logit_bias=((close, -100.0),)))
+    neighbour = engine.add_request(plain[0], None, plain[1])
+    texts, errors = {stuck.request_id: "", neighbour.request_id: ""}, []
+    while engine.has_work():
+        for output in engine.step():
+            texts[output.request_id] += output.text
+            if output.error is not None:
+                errors.append((output.request_id, output.finish_reason, output.error))
+        engine.check_invariants()
+    [(request_id, finish, error)] = errors
+    assert request_id == stuck.request_id and finish == stuck.finish_reason == "error"
+    assert isinstance(error, InvalidResponseFormat) and "allows no next token" in error.message
+    assert texts[stuck.request_id] == '{"a": ', "what was streamed is the grammar's, no masked token follows"
+    assert (neighbour.finish_reason, texts[neighbour.request_id]) == alone
+    assert not engine.has_requests()

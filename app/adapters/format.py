@@ -65,6 +65,8 @@ def read_config(adapter_id: str, config_file: Path) -> LoraConfig:
         config = LoraConfig.from_peft_type(**raw)  # drops keys from newer PEFT versions, with a warning
     except RecursionError as e:
         raise AdapterFormatError(f"adapter '{adapter_id}': {CONFIG_NAME} nests too deeply to be a LoRA config") from e
+    except UnicodeDecodeError as e:  # its message quotes the byte
+        raise AdapterFormatError(f"adapter '{adapter_id}': {CONFIG_NAME} is not UTF-8 text") from e
     except (OSError, ValueError, TypeError) as e:
         raise AdapterFormatError(f"adapter '{adapter_id}': {CONFIG_NAME} is not a valid LoRA config: {e}") from e
     for field, feature, error in _UNSERVED_FEATURES:

@@ -59,8 +59,9 @@ class PartProcess:
         self.alive = True
         threading.Thread(target=self._read, name="adapter-part-replies", daemon=True).start()
 
-    def fetch(self, obj, dest: Path, start: int, end: int, timeout_s: float) -> None:
-        """Write bytes [start, end) of `obj` into `dest` at `start`; raise what the helper raised."""
+    def fetch(self, obj, dest: Path, start: int, end: int, roots: tuple[str, ...], timeout_s: float) -> None:
+        """Write bytes [start, end) of `obj` into `dest` at `start`, as a store with `roots` and `timeout_s` reads
+        them (its redirects stay under `roots`); raise what the helper raised."""
         future: Future = Future()
         with self._lock:
             if not self.alive:
@@ -68,7 +69,7 @@ class PartProcess:
             part_id = next(self._ids)
             self._pending[part_id] = future
             try:
-                self._requests.send_bytes(pickle.dumps((part_id, obj, str(dest), start, end, timeout_s)))
+                self._requests.send_bytes(pickle.dumps((part_id, obj, str(dest), start, end, tuple(roots), timeout_s)))
             except OSError as e:
                 self._pending.pop(part_id)
                 raise AdapterStoreUnavailable(f"the adapter download process is gone: {e}") from e

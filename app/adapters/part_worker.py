@@ -1,5 +1,5 @@
-"""The helper process of `part_process.py`: reads (part id, object, file, start, end, timeout) requests from one
-pipe, fetches each range on a thread of its own and writes it into the file, and answers (part id, error or None)
+"""The helper process of `part_process.py`: reads (part id, object, file, start, end, roots, timeout) requests from
+one pipe, fetches each range on a thread of its own and writes it into the file, and answers (part id, error or None)
 on the other pipe; a (PREPARED, roots, timeout) request makes the clients for those roots, answered (PREPARED,
 None). It exits when the request pipe closes, that is when its parent goes."""
 
@@ -27,19 +27,20 @@ def main() -> None:
     requests = Connection(int(sys.argv[1]), writable=False)
     replies = Connection(int(sys.argv[2]), readable=False)
     send_lock, stores_lock = threading.Lock(), threading.Lock()
-    stores: dict[float, RemoteStore] = {}  # by timeout: the filesystems, and their connections, are reused
+    # by roots (where redirects may go) and timeout: the filesystems, and their connections, are reused
+    stores: dict[tuple[tuple[str, ...], float], RemoteStore] = {}
     pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="adapter-part")
     replies.send_bytes(pickle.dumps((READY, None)))
 
-    def store_for(timeout_s: float) -> RemoteStore:
+    def store_for(roots: tuple[str, ...], timeout_s: float) -> RemoteStore:
         with stores_lock:
-            store = stores.get(timeout_s)
+            store = stores.get((roots, timeout_s))
             if store is None:
-                store = stores[timeout_s] = RemoteStore([], timeout_s, part_process=False)
+                store = stores[roots, timeout_s] = RemoteStore(roots, timeout_s, part_process=False)
             return store
 
     def prepare(_: int, roots: tuple[str, ...], timeout_s: float) -> None:
-        store = store_for(timeout_s)
+        store = store_for(roots, timeout_s)
         for root in roots:
             try:
                 fs, _ = store.filesystem(root)
@@ -50,9 +51,9 @@ def main() -> None:
         with send_lock:
             replies.send_bytes(pickle.dumps((PREPARED, None)))
 
-    def serve(part_id: int, obj, dest: str, start: int, end: int, timeout_s: float) -> None:
+    def serve(part_id: int, obj, dest: str, start: int, end: int, roots: tuple[str, ...], timeout_s: float) -> None:
         try:
-            write_part(store_for(timeout_s), obj, Path(dest), start, end)
+            write_part(store_for(roots, timeout_s), obj, Path(dest), start, end)
             error = None
         except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
             error = picklable(e, AdapterStoreUnavailable)

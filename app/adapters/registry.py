@@ -210,7 +210,7 @@ class AdapterRegistry:
         the NaN/Inf and bound checks run when the weights arrive (the residency's bound check, or `read`)."""
         try:
             return self._check_remote(adapter_id, uri)
-        except (AdapterSourceMissing, AdapterSourceDenied, AdapterStoreUnavailable) as e:
+        except (AdapterSourceMissing, AdapterSourceDenied, AdapterStoreUnavailable, AdapterPathOutsideRoots) as e:
             raise type(e)(f"adapter '{adapter_id}': {e.message}", retry_after_s=e.retry_after_s) from e
 
     def _check_remote(self, adapter_id: str, uri: str) -> AdapterSpec:
@@ -235,7 +235,13 @@ class AdapterRegistry:
             config_file.write_bytes(config_bytes)
             config = read_config(adapter_id, config_file)
         reader = _RangedReader(self.store, weights_object.uri, head.result() if weights_object.size else b"")
-        header = read_header(adapter_id, reader, weights_object.size)
+        try:
+            header = read_header(adapter_id, reader, weights_object.size)
+        except AdapterFormatError:
+            # The stat and the reads went out at once: bytes that do not fit the size stat'ed may be another
+            # version's, which is not a malformed file.
+            self.store.check_unchanged(weights_object)
+            raise
         return self._spec(adapter_id, uri, header, config, weights_object.size,
                           remote=RemoteFiles(config_object, weights_object))
 

@@ -1,16 +1,20 @@
 """Adapters kept where users keep them: object stores (s3://, gs://), the Hugging Face Hub (hf://) and HTTP servers.
 
 Every protocol goes through fsspec and its maintained filesystems (s3fs, gcsfs, huggingface_hub's HfFileSystem,
-fsspec's HTTPFileSystem); nothing here speaks a protocol itself. Credentials and endpoints come from the
-environment and the usual config files (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS,
-HF_TOKEN, HF_ENDPOINT, ...), never from a request: a URI that carries credentials, a query or a fragment is
-refused. A URI is served only under one of the configured remote roots, judged on its normalized form, so the
-server cannot be made to fetch arbitrary URLs.
+fsspec's HTTPFileSystem); nothing here speaks a protocol itself but one ranged HTTP GET (`_http_range`).
+Credentials and endpoints come from the environment and the usual config files (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN, HF_ENDPOINT, ...), never from a request: a URI that
+carries credentials, a query or a fragment is refused. A URI is served only under one of the configured remote
+roots, judged on its normalized form, and an HTTP redirect is followed only to a target under them too, so the
+server cannot be made to fetch arbitrary URLs. A ranged read holds no more than its range, even from a server
+that ignores Range.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import hashlib
 import logging
 import os
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
+from fsspec.asyn import sync
 
 from app.adapters import part_process
 from app.adapters.urgent_pool import UrgentFirstPool
@@ -31,6 +36,7 @@ from app.errors import (
     AdapterSourceDenied,
     AdapterSourceMissing,
     AdapterStoreUnavailable,
+    ServingError,
 )
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ _URI_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.D
 _FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\?#]")  # control characters, spaces, backslashes, queries, fragments
 PART_BYTES = 16 * 1024 * 1024  # one ranged GET of a large file; parts of one file are fetched at once
 _S3_CONNECTIONS = 96
+MAX_REDIRECTS = 5  # hops one HTTP request may take, each to a target under the adapter roots
+_STREAM_CHUNK = 1024 * 1024  # what an HTTP read takes from its connection at once
 
 
 def is_remote(path: str | Path) -> bool:
@@ -184,7 +192,8 @@ class RemoteStore:
         if scheme in ("http", "https"):
             import aiohttp
 
-            return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=self.timeout_s, connect=10)}}
+            return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=self.timeout_s, connect=10),
+                                      "trace_configs": [_redirect_guard(self.roots)]}}
         if scheme == "gs":
             return {"timeout": self.timeout_s}
         return {}
@@ -265,7 +274,7 @@ class RemoteStore:
 
     def _write_part(self, obj: RemoteObject, dest: Path, start: int, end: int) -> None:
         if self.part_process:
-            part_process.helper().fetch(obj, dest, start, end, self.timeout_s)
+            part_process.helper().fetch(obj, dest, start, end, self.roots, self.timeout_s)
         else:
             write_part(self, obj, dest, start, end)
 
@@ -287,9 +296,16 @@ class RemoteStore:
             # Unchanged, so this S3 ETag is not an MD5 (objects encrypted with SSE-KMS or SSE-C): trust the size.
             log.info("%s: its ETag is not the MD5 of its bytes (an encrypted object); checked by size", obj.uri)
             return
-        current = self.stat(obj.uri)  # no checksum: at least, the parts all came from one version
-        if current.version != obj.version:
-            raise ObjectChanged(f"{obj.uri} changed", current=current)
+        self.check_unchanged(obj)  # no checksum: at least, the parts all came from one version
+
+    def check_unchanged(self, obj: RemoteObject) -> None:
+        """ObjectChanged where the store no longer holds the version `obj` describes."""
+        current = self.stat(obj.uri)
+        if current.version == obj.version:
+            return
+        change = (f"its size went from {obj.size} to {current.size} bytes" if current.size != obj.size
+                  else f"its version went from {obj.version} to {current.version}")
+        raise ObjectChanged(f"{obj.uri} changed between reads: {change}", current=current)
 
     def shutdown(self) -> None:
         self._parts.shutdown()
@@ -320,9 +336,77 @@ def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, en
 def _cat_range(fs, path: str, start: int, end: int) -> bytes:
     if start >= end:
         return b""
+    if path.startswith(("http://", "https://")):
+        return sync(fs.loop, _http_range, fs, path, start, end)
     data = fs.cat_file(path, start=start, end=end)
-    # A server that ignores Range (python -m http.server) answers with the whole file.
-    return data[start:end] if len(data) > end - start else data
+    return data[start:end] if len(data) > end - start else data  # a store that ignored Range: the whole object
+
+
+async def _http_range(fs, url: str, start: int, end: int) -> bytearray:
+    """Bytes [start, end) of `url`, holding no more than those. Written here, on fsspec's session (its
+    connections, timeout and redirect guard), because fsspec's HTTP cat_file reads the whole body: a server that
+    ignores Range (python -m http.server) answers 200 with the whole object. Its bytes before `start` are
+    dropped as they arrive and those after `end` are never read (leaving the block closes the connection), which
+    keeps such servers usable at the price of the bytes skipped."""
+    import aiohttp
+
+    session = await fs.set_session()
+    headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+    async with session.get(fs.encode_url(url), headers=headers) as r:
+        r.raise_for_status()
+        skip = 0 if r.status == 206 else start
+        if r.status == 206 and not r.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
+            raise AdapterStoreUnavailable(f"{url}: the store answered another range than bytes {start}-{end - 1}")
+        data, received = bytearray(), 0
+        try:
+            while received < skip + end - start:
+                # While skipping, never past `start`: every chunk after it lies in the range.
+                until = skip if received < skip else skip + end - start
+                chunk = await r.content.read(min(_STREAM_CHUNK, until - received))
+                if not chunk:
+                    break
+                received += len(chunk)
+                if received > skip:
+                    data += chunk
+        except (aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+            if r.content_length is None or received >= r.content_length:
+                raise
+            how = ("closed the connection" if isinstance(e, aiohttp.ClientPayloadError)
+                   else "sent nothing more before the timeout")
+            raise AdapterStoreUnavailable(f"{url}: the store sent fewer bytes than it announced ({received} of the "
+                                          f"{r.content_length} in its Content-Length) and {how}") from e
+    return data
+
+
+@functools.cache
+def _redirect_guard(roots: tuple[str, ...]):
+    """An aiohttp trace that refuses each redirect before it is followed, unless its target lies under `roots`
+    (check_redirect), for every request of the client it is given to: fsspec's stats and listings, and the
+    ranged GETs here. One per set of roots, so that fsspec still shares a filesystem between like stores."""
+    import aiohttp
+    from yarl import URL
+
+    async def on_redirect(session, context, params) -> None:
+        context.hops = getattr(context, "hops", 0) + 1
+        location = params.response.headers.get("Location") or params.response.headers.get("URI") or ""
+        check_redirect(roots, str(params.url), str(params.url.join(URL(location))), context.hops)
+
+    guard = aiohttp.TraceConfig()
+    guard.on_request_redirect.append(on_redirect)
+    return guard
+
+
+def check_redirect(roots: Sequence[str], source: str, target: str, hops: int) -> None:
+    """AdapterPathOutsideRoots unless the redirect from `source` to `target`, the `hops`-th of one request, may be
+    followed: the roots hold for every URL a read goes to, not only for the one a client names."""
+    if hops > MAX_REDIRECTS:
+        raise AdapterPathOutsideRoots(f"{source}: more than {MAX_REDIRECTS} redirects")
+    try:
+        normalized = normalize_uri(target)
+    except ValueError:
+        normalized = None
+    if normalized is None or not any(_is_under(normalized, root) for root in roots):
+        raise AdapterPathOutsideRoots(f"{source}: redirect to {target} leaves the adapter roots {list(roots)}")
 
 
 class store_errors:
@@ -338,11 +422,13 @@ class store_errors:
     def __exit__(self, kind, error, traceback):
         if error is None or not isinstance(error, Exception):
             return False
-        if isinstance(error, (AdapterStoreUnavailable, AdapterFormatError)):
+        if isinstance(error, ServingError):
             return False
         fault = error
         if isinstance(error, FileNotFoundError) and error.__cause__ is not None and not _is_missing(error.__cause__):
             fault = error.__cause__  # fsspec's HTTP `info` turns every failure (a timeout, a 403) into this
+        if isinstance(fault, ServingError):  # a refused redirect, from within fsspec's `info`
+            raise fault from None
         if _is_missing(fault):
             raise AdapterSourceMissing(f"{self.uri} does not exist") from error
         status = getattr(fault, "status", None)  # aiohttp's, from fsspec's HTTP filesystem

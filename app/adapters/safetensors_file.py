@@ -82,6 +82,8 @@ class AdapterHeader:
 
 
 def _bad_file(adapter_id: str):
+    # `why` never quotes what the file's framing decodes to (its header size, a byte that is not UTF-8, an entry):
+    # the file may be something else entirely, whose bytes the client must not see.
     def bad(why: str) -> AdapterFormatError:
         return AdapterFormatError(f"adapter '{adapter_id}': {WEIGHTS_NAME} is not readable safetensors: {why}")
     return bad
@@ -99,13 +101,13 @@ def read_header(adapter_id: str, f, total: int | None = None) -> AdapterHeader:
     if total is None:
         total = os.fstat(f.fileno()).st_size
     if header_size > min(_MAX_HEADER_BYTES, total - 8):
-        raise bad(f"header size {header_size} does not fit the {total}-byte file")
+        raise bad("not a safetensors file (its first 8 bytes give no header size that fits the file)")
     try:
         header = json.loads(f.read(header_size))
     except RecursionError as e:
         raise bad("header nests too deeply") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"header is not JSON ({e})") from e
+        raise bad("not a safetensors file (its header is not JSON)") from e
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     header.pop("__metadata__", None)
@@ -142,7 +144,7 @@ def _entry(key: str, value, bad) -> StoredTensor:
         if not all(isinstance(n, int) and n >= 0 for n in (*shape, start, end)):
             raise ValueError
     except (KeyError, TypeError, ValueError) as e:
-        raise bad(f"tensor {key!r} has a malformed header entry {value!r}") from e
+        raise bad(f"tensor {key!r} has a malformed header entry") from e
     if end - start != math.prod(shape) * dtype.itemsize:
         raise bad(f"tensor {key!r}: {end - start} bytes for shape {list(shape)} of {value['dtype']}")
     return StoredTensor(dtype, shape, start, end)

@@ -1,11 +1,12 @@
 """Real remote stores for the remote-adapter tests, each on a free localhost port: moto's S3 server (a process
-per test session, and spare ones that a test may stop), an HTTP file server (a thread) and a server that accepts
+per test session, and spare ones that a test may stop), HTTP file servers (threads) and a server that accepts
 connections and never answers; and registries over them."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -129,12 +130,18 @@ class S3Bucket:
 class FileServer:
     """http.server's file server over a folder, in a thread, as `python -m http.server` serves one: directory
     listings in HTML, Last-Modified but no ETag, and Range ignored (a ranged GET gets the whole file). Counts GETs
-    per path; answers 403 under `forbidden`; waits `delay_s` before each file it sends."""
+    and HEADs per path. Misbehaves where a test says: answers 403 under `forbidden`; answers 302 to
+    `redirects[path]`; holds each file's GET until `hold` is set; waits `delay_s` before each file it sends; sends
+    `short_by` bytes fewer than each file's Content-Length announces, then closes the connection."""
 
     def __init__(self, directory: Path):
         self.gets: Counter[str] = Counter()
+        self.heads: Counter[str] = Counter()
         self.forbidden: tuple[str, ...] = ()
+        self.redirects: dict[str, str] = {}
+        self.hold: threading.Event | None = None
         self.delay_s = 0.0
+        self.short_by = 0
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Handler, self, directory=str(directory)))
         self.httpd.daemon_threads = True
@@ -154,22 +161,41 @@ class _Handler(SimpleHTTPRequestHandler):
         super().__init__(*args, **kwargs)
 
     def do_GET(self):
-        if not self._refused():
+        if not self._refused() and not self._redirected():
             with self.files._lock:
                 self.files.gets[self.path] += 1
             if not self.path.endswith("/"):
+                if self.files.hold is not None:
+                    self.files.hold.wait(30)
                 time.sleep(self.files.delay_s)
             super().do_GET()
 
     def do_HEAD(self):
-        if not self._refused():
+        if not self._refused() and not self._redirected():
             super().do_HEAD()
+            with self.files._lock:  # counted once answered
+                self.files.heads[self.path] += 1
+
+    def copyfile(self, source, outputfile):
+        if not self.files.short_by:
+            return super().copyfile(source, outputfile)
+        outputfile.write(source.read(max(0, os.fstat(source.fileno()).st_size - self.files.short_by)))
 
     def _refused(self) -> bool:
         if self.files.forbidden and self.path.startswith(self.files.forbidden):
             self.send_error(403)
             return True
         return False
+
+    def _redirected(self) -> bool:
+        location = self.files.redirects.get(self.path)
+        if location is None:
+            return False
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return True
 
     def log_message(self, *args):
         pass
@@ -234,6 +260,15 @@ def file_server(tmp_path):
     """An HTTP file server over tmp_path / "www"."""
     (tmp_path / "www").mkdir()
     server = FileServer(tmp_path / "www")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def foreign_server(tmp_path):
+    """A second HTTP file server, over tmp_path / "foreign": a host outside the adapter roots."""
+    (tmp_path / "foreign").mkdir()
+    server = FileServer(tmp_path / "foreign")
     yield server
     server.stop()
 

@@ -65,6 +65,18 @@ def test_absurd_alpha_pattern_value(registry, good):
         registry.validate("a", good)
 
 
+@pytest.mark.parametrize("content, echoed", [
+    (b"top secret data", str(int.from_bytes(b"top secr", "little"))),  # the header size its first bytes decode to
+    (struct.pack("<Q", 8) + b"\xffsecret\xfe", "0xff"),  # not UTF-8: the codec's message quotes the byte
+    (struct.pack("<Q", 40) + b'{"k": {"dtype": "SECRET", "shape": [1]}}', "SECRET"),  # a malformed entry
+], ids=["header-size", "not-utf8", "entry"])
+def test_errors_never_echo_the_files_bytes(registry, good, content, echoed):
+    (good / WEIGHTS_NAME).write_bytes(content)
+    with pytest.raises(AdapterFormatError, match="not readable safetensors") as caught:
+        registry.validate("a", good)
+    assert echoed not in caught.value.message and f"{len(content)}-byte" not in caught.value.message
+
+
 def test_padded_file_is_refused_from_its_header(registry, good):
     """A valid adapter padded to just under max_adapter_bytes (a sparse file): refused from the header and the
     declared sizes, in milliseconds and without reading the padding."""

@@ -59,9 +59,9 @@ class PartProcess:
         self.alive = True
         threading.Thread(target=self._read, name="adapter-part-replies", daemon=True).start()
 
-    def fetch(self, obj, dest: Path, start: int, end: int, roots: tuple[str, ...], timeout_s: float) -> None:
+    def fetch(self, obj, dest: Path, start: int, end: int, roots: tuple[str, ...], timeout_s: float) -> str:
         """Write bytes [start, end) of `obj` into `dest` at `start`, as a store with `roots` and `timeout_s` reads
-        them (its redirects stay under `roots`); raise what the helper raised."""
+        them (its redirects stay under `roots`); their digest. Raises what the helper raised."""
         future: Future = Future()
         with self._lock:
             if not self.alive:
@@ -75,7 +75,7 @@ class PartProcess:
                 raise AdapterStoreUnavailable(f"the adapter download process is gone: {e}") from e
         # The store's own timeouts end a part first; this bounds a helper that stopped answering.
         try:
-            future.result(timeout=3 * timeout_s + 30)
+            return future.result(timeout=3 * timeout_s + 30)
         except TimeoutError:
             raise AdapterStoreUnavailable(f"{obj.uri}: the download process did not answer for a part in "
                                           f"{3 * timeout_s + 30:.0f} s") from None
@@ -103,7 +103,7 @@ class PartProcess:
         replies = Connection(self._replies_read, writable=False)
         while True:
             try:
-                part_id, error = pickle.loads(replies.recv_bytes())
+                part_id, digest, error = pickle.loads(replies.recv_bytes())
             except (EOFError, OSError):
                 break
             if part_id in (READY, PREPARED):
@@ -112,7 +112,7 @@ class PartProcess:
             with self._lock:
                 future = self._pending.pop(part_id, None)
             if future is not None:
-                future.set_result(None) if error is None else future.set_exception(error)
+                future.set_result(digest) if error is None else future.set_exception(error)
         replies.close()
         code = self._process.wait()
         with self._lock:

@@ -1,7 +1,8 @@
 """The helper process of `part_process.py`: reads (part id, object, file, start, end, roots, timeout) requests from
-one pipe, fetches each range on a thread of its own and writes it into the file, and answers (part id, error or None)
-on the other pipe; a (PREPARED, roots, timeout) request makes the clients for those roots, answered (PREPARED,
-None). It exits when the request pipe closes, that is when its parent goes."""
+one pipe, fetches each range on a thread of its own and writes it into the file, and answers (part id, the part's
+digest, None) or (part id, None, error) on the other pipe; a (PREPARED, roots, timeout) request makes the clients
+for those roots, answered (PREPARED, None, None). It exits when the request pipe closes, that is when its parent
+goes."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def main() -> None:
     # by roots (where redirects may go) and timeout: the filesystems, and their connections, are reused
     stores: dict[tuple[tuple[str, ...], float], RemoteStore] = {}
     pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="adapter-part")
-    replies.send_bytes(pickle.dumps((READY, None)))
+    replies.send_bytes(pickle.dumps((READY, None, None)))
 
     def store_for(roots: tuple[str, ...], timeout_s: float) -> RemoteStore:
         with stores_lock:
@@ -49,15 +50,14 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a warm-up only: the root's parts meet the fault themselves
                 log.warning("preparing the client for %s failed: %s", root, e)
         with send_lock:
-            replies.send_bytes(pickle.dumps((PREPARED, None)))
+            replies.send_bytes(pickle.dumps((PREPARED, None, None)))
 
     def serve(part_id: int, obj, dest: str, start: int, end: int, roots: tuple[str, ...], timeout_s: float) -> None:
         try:
-            write_part(store_for(roots, timeout_s), obj, Path(dest), start, end)
-            error = None
+            digest, error = write_part(store_for(roots, timeout_s), obj, Path(dest), start, end), None
         except BaseException as e:  # noqa: BLE001 - sent to the caller, who raises it
-            error = picklable(e, AdapterStoreUnavailable)
-        data = pickle.dumps((part_id, error))
+            digest, error = None, picklable(e, AdapterStoreUnavailable)
+        data = pickle.dumps((part_id, digest, error))
         with send_lock:
             replies.send_bytes(data)
 

@@ -29,6 +29,7 @@ import fsspec
 from fsspec.asyn import sync
 
 from app.adapters import part_process
+from app.adapters.part_digests import PartDigests, part_digest
 from app.adapters.urgent_pool import UrgentFirstPool
 from app.errors import (
     AdapterFormatError,
@@ -244,22 +245,25 @@ class RemoteStore:
         self.download_all([(obj, dest)])
 
     def download_all(self, files: Sequence[tuple[RemoteObject, Path]],
-                     is_urgent: Callable[[], bool] = lambda: True) -> None:
+                     is_urgent: Callable[[], bool] = lambda: True) -> dict[Path, PartDigests]:
         """Write each object to its path, the PART_BYTES ranges of all of them fetched at once (so that one
         first-byte delay covers them all), then check each one's size and, where the store gives one, its
         checksum. The bytes are checked against the object as described, with no request to the store first:
         ObjectChanged where they are another version's. The caller owns the paths (temporary names it renames
         once this returns). Parts go ahead of those of other downloads while `is_urgent()` holds and theirs
-        does not: a fetch ahead yields the connections to one that a request waits for."""
+        does not: a fetch ahead yields the connections to one that a request waits for. Returns each path's
+        digests, hashed from the parts as they arrived."""
+        part_bytes = PART_BYTES
         for obj, dest in files:
             with open(dest, "wb") as f:
                 f.truncate(obj.size)
-        futures = [self._parts.submit(is_urgent, self._write_part, obj, dest, start,
-                                        min(start + PART_BYTES, obj.size))
-                   for obj, dest in files for start in range(0, obj.size, PART_BYTES)]
+        parts = [(obj, dest, start, min(start + part_bytes, obj.size))
+                 for obj, dest in files for start in range(0, obj.size, part_bytes)]
+        futures = [self._parts.submit(is_urgent, self._write_part, *part) for part in parts]
         try:
-            for future in futures:
-                future.result()
+            dest_to_digests: dict[Path, list[str]] = {dest: [] for _, dest in files}
+            for (_, dest, _, _), future in zip(parts, futures):
+                dest_to_digests[dest].append(future.result())
         finally:  # the caller may remove the files once this returns: no part may still be writing
             for future in futures:
                 future.cancel()
@@ -271,12 +275,12 @@ class RemoteStore:
             finally:
                 os.close(fd)
             self._check(obj, dest)
+        return {dest: PartDigests(obj.size, part_bytes, tuple(dest_to_digests[dest])) for obj, dest in files}
 
-    def _write_part(self, obj: RemoteObject, dest: Path, start: int, end: int) -> None:
+    def _write_part(self, obj: RemoteObject, dest: Path, start: int, end: int) -> str:
         if self.part_process:
-            part_process.helper().fetch(obj, dest, start, end, self.roots, self.timeout_s)
-        else:
-            write_part(self, obj, dest, start, end)
+            return part_process.helper().fetch(obj, dest, start, end, self.roots, self.timeout_s)
+        return write_part(self, obj, dest, start, end)
 
     def _check(self, obj: RemoteObject, dest: Path) -> None:
         if os.stat(dest).st_size != obj.size:
@@ -311,9 +315,9 @@ class RemoteStore:
         self._parts.shutdown()
 
 
-def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, end: int) -> None:
-    """Fetch bytes [start, end) of `obj` and write them into `dest` (already at its full size) at `start`:
-    ObjectChanged where the store holds fewer bytes than `obj` says, as another version would."""
+def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, end: int) -> str:
+    """Fetch bytes [start, end) of `obj` and write them into `dest` (already at its full size) at `start`; their
+    digest. ObjectChanged where the store holds fewer bytes than `obj` says, as another version would."""
     fs, path = store.filesystem(obj.uri)
     try:
         with store_errors(obj.uri):
@@ -331,6 +335,7 @@ def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, en
             view = view[os.pwrite(fd, view, end - len(view)):]
     finally:
         os.close(fd)
+    return part_digest(data)
 
 
 def _cat_range(fs, path: str, start: int, end: int) -> bytes:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from app.adapters.format import CONFIG_NAME
 from app.adapters.node_cache import CacheKey, NodeCache
+from app.adapters.part_digests import PartDigests
 from app.adapters.remote import ObjectChanged, RemoteStore
 from app.adapters.safetensors_file import WEIGHTS_NAME
 from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adapter
@@ -58,14 +59,24 @@ class RemoteFetcher:
     def read(self, spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
         """The adapter's file from the node cache, fetched first where the node does not hold it. A request
         waits for this read, so its download (or the fetch ahead already under way for it) takes the store's
-        connections ahead of other fetches ahead."""
-        with self._waited_for(str(spec.path)), self._fetched(spec) as local:
-            key = self._cache_key(spec)
+        connections ahead of other fetches ahead. A copy that passed the cache's check yet fails to load holds
+        the store's bytes: it is dropped, so that the next read downloads it again."""
+        uri = str(spec.path)
+        with self._waited_for(uri):
+            with self._fetched(spec) as (local, fresh):
+                key = self._cache_key(spec)
+                with self._lock:
+                    if (nbytes := self._unused_ahead.pop(key, None)) is not None:
+                        self._ahead["fetched_ahead_used"] += 1
+                        self._ahead["fetched_ahead_used_bytes"] += nbytes
+                try:
+                    return read_adapter(local, check_finite, fix=_store_fix(uri, fresh))
+                except AdapterLoadFailed as e:
+                    unusable = e
+            self.cache.discard(key)  # once out of the block, which held it against eviction
             with self._lock:
-                if (nbytes := self._unused_ahead.pop(key, None)) is not None:
-                    self._ahead["fetched_ahead_used"] += 1
-                    self._ahead["fetched_ahead_used_bytes"] += nbytes
-            return read_adapter(local, check_finite)
+                self._on_node.discard(key)
+            raise unusable
 
     def fetch_ahead(self, specs: Sequence[AdapterSpec], urgent: Collection[str] = ()) -> int:
         """Start fetching `specs` (remote ones, nearest need first) into the node cache, only while those named so
@@ -174,12 +185,14 @@ class RemoteFetcher:
         return CacheKey(str(spec.path), files.version)
 
     @contextmanager
-    def _fetched(self, spec: AdapterSpec, downloaded: Callable[[int], None] | None = None) -> Iterator[AdapterSpec]:
-        """The spec of the adapter's copy in the node cache, held there for the block. A miss downloads the
-        version last known, asking the store nothing first: the bytes are checked against that version, and if
-        they are another's, the store is asked for the object's current version, whose bytes are fetched and
-        validated against the registration before anything reads them. `downloaded(nbytes)` is called when this
-        call is the one that downloads it, before the copy becomes visible."""
+    def _fetched(self, spec: AdapterSpec, downloaded: Callable[[int], None] | None = None
+                 ) -> Iterator[tuple[AdapterSpec, bool]]:
+        """The spec of the adapter's copy in the node cache, held there for the block, and whether this call
+        downloaded it. A miss downloads the version last known, asking the store nothing first: the bytes are
+        checked against that version, and if they are another's, the store is asked for the object's current
+        version, whose bytes are fetched and validated against the registration before anything reads them.
+        `downloaded(nbytes)` is called when this call is the one that downloads it, before the copy becomes
+        visible."""
         if self.cache is None:
             raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': remote adapters need a node cache "
                                     "(adapter_cache_dir)")
@@ -187,7 +200,7 @@ class RemoteFetcher:
             files = self._newer.get((str(spec.path), spec.remote.version), spec.remote)
         with ExitStack() as held:
             try:
-                folder = held.enter_context(self._entry(spec, files, downloaded))
+                folder, fresh = held.enter_context(self._entry(spec, files, downloaded))
             except ObjectChanged as e:
                 asked = {e.current.uri: e.current} if e.current is not None else {}  # the check's answer, reused
                 known, files = files, RemoteFiles(*(asked.get(f.uri) or self.store.stat(f.uri)
@@ -196,29 +209,35 @@ class RemoteFetcher:
                     raise
                 log.info("adapter %r changed in its store since registration; validating the new version",
                          spec.adapter_id)
-                folder = held.enter_context(self._entry(spec, files, downloaded))
+                folder, fresh = held.enter_context(self._entry(spec, files, downloaded))
             yield replace(spec, path=folder, weights_file=folder / WEIGHTS_NAME, nbytes=files.weights.size,
-                          remote=None)
+                          remote=None), fresh
 
     @contextmanager
     def _entry(self, spec: AdapterSpec, files: RemoteFiles, downloaded: Callable[[int], None] | None
-               ) -> Iterator[Path]:
-        """The folder of `files`' copy in the node cache, downloaded there on a miss, held for the block."""
+               ) -> Iterator[tuple[Path, bool]]:
+        """The folder of `files`' copy in the node cache, downloaded there on a miss (or where the copy there
+        fails its check), held for the block; and whether this call downloaded it."""
         changed = files.version != spec.remote.version
         nbytes = files.config.size + files.weights.size
         uri = str(spec.path)
+        fresh = False
 
-        def fill(folder: Path) -> None:
-            self.store.download_all([(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)],
-                                    is_urgent=lambda: uri in self._reads_waiting)  # one dict lookup: no lock
+        def fill(folder: Path) -> dict[str, PartDigests]:
+            nonlocal fresh
+            digests = self.store.download_all(
+                [(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)],
+                is_urgent=lambda: uri in self._reads_waiting)  # one dict lookup: no lock
             if changed:  # before the rename makes it visible to anyone
                 try:
                     now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)
                 except AdapterInvalid as e:  # a read fails as `read_adapter` fails: AdapterLoadFailed
-                    raise AdapterLoadFailed(f"{e.message} (its new version in the store; re-register it)") from e
+                    raise AdapterLoadFailed(f"{e.message} (its new version in the store: replace it there)") from e
                 _check_same(spec, now)
             if downloaded is not None:
                 downloaded(nbytes)
+            fresh = True
+            return {path.name: part_digests for path, part_digests in digests.items()}
 
         key = CacheKey(str(spec.path), files.version)
         with self.cache.entry(key, nbytes, fill) as folder:
@@ -226,7 +245,15 @@ class RemoteFetcher:
                 self._on_node.add(key)
                 if changed:  # validated: later reads go to this version's copy without asking the store again
                     self._newer[(str(spec.path), spec.remote.version)] = files
-            yield folder
+            yield folder, fresh
+
+
+def _store_fix(uri: str, fresh: bool) -> str:
+    """What recovers an adapter whose copy on the node passed the cache's check, so holds its store's bytes, yet
+    fails to load (the copy is dropped)."""
+    if fresh:
+        return f"downloaded from {uri} just now: its store holds these bytes, so replace them there"
+    return f"as downloaded from {uri} before: the node's copy is dropped, and the next read downloads it again"
 
 
 def _check_same(registered: AdapterSpec, now: AdapterSpec) -> None:

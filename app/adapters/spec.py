@@ -70,28 +70,28 @@ class StoredAdapter:
         }
 
 
-def read_adapter(spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
+def read_adapter(spec: AdapterSpec, check_finite: bool = False, fix: str = "re-register it") -> StoredAdapter:
     """Read the adapter's file again, since files may change or vanish after registration. Any failure
-    raises AdapterLoadFailed. check_finite=False skips the NaN/Inf scan, for callers that bound-check the
-    packed result anyway (the engine)."""
+    raises AdapterLoadFailed, whose message ends with `fix`: what recovers. check_finite=False skips the NaN/Inf
+    scan, for callers that bound-check the packed result anyway (the engine)."""
     path = spec.weights_file
     try:
         nbytes = path.stat().st_size
         if nbytes != spec.nbytes or path.resolve(strict=True) != path:
             raise AdapterLoadFailed(
                 f"adapter '{spec.adapter_id}': {path} was changed or replaced since registration "
-                f"({spec.nbytes} bytes then, {nbytes} now); re-register it"
+                f"({spec.nbytes} bytes then, {nbytes} now); {fix}"
             )
         file, modules = read_modules(spec.adapter_id, path, spec.target_modules, spec.module_shapes, None,
                                      check_finite)
     except OSError as e:
         raise AdapterLoadFailed(f"adapter '{spec.adapter_id}': cannot read {path}: {e.strerror or e}") from e
     except AdapterInvalid as e:
-        raise AdapterLoadFailed(f"{e.message} (while loading {path}; re-register it)") from e
+        raise AdapterLoadFailed(f"{e.message} (while loading {path}; {fix})") from e
     module_ranks = {module: file.entries[a].shape[0] for module, (a, _) in modules.items()}
     if module_ranks != dict(spec.module_ranks):
         raise AdapterLoadFailed(
-            f"adapter '{spec.adapter_id}': modules or ranks in {path} changed since registration; re-register it"
+            f"adapter '{spec.adapter_id}': modules or ranks in {path} changed since registration; {fix}"
         )
     return StoredAdapter(spec, file, modules)
 

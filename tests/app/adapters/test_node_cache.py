@@ -1,11 +1,13 @@
 """The node's disk cache of remote adapters: atomic fills, least recently used eviction within the budget, entries
-being read kept, a full disk, restarts, and two processes on one cache directory (real processes, real locks)."""
+being read kept, a full disk, restarts, entries checked before use, and two processes on one cache directory (real
+processes, real locks)."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 
 import store_helpers
 from adapter_helpers import make_adapter
+from app.adapters import part_digests
 from app.adapters.node_cache import CacheKey, NodeCache
 from app.adapters.registry import WEIGHTS_NAME
 from app.errors import AdapterCacheFull
@@ -133,6 +136,34 @@ def test_a_full_disk_with_nothing_to_evict_is_cache_full(tmp_path, monkeypatch):
         assert cached(cache, ["a", "held", "b"]) == [False, True, False]  # a evicted for room, held kept
     assert error.value.status_code == 503 and error.value.retry_after_s > 0
     assert list(cache.tmp.iterdir()) == []
+
+
+def test_entries_are_checked_once_per_process_and_downloaded_again_when_bad(tmp_path, monkeypatch, caplog):
+    use(NodeCache(tmp_path, 1000), "a")
+    checks = []
+    mismatch = part_digests.PartDigests.mismatch
+    monkeypatch.setattr(part_digests.PartDigests, "mismatch", lambda self, path: checks.append(path) or
+                        mismatch(self, path))
+    cache = NodeCache(tmp_path, 1000)  # another process on the node
+    for _ in range(3):
+        with cache.entry(key("a"), 100, never) as folder:
+            assert (folder / "weights").read_bytes() == b"w" * 100
+    assert len(checks) == 1 and (cache.stats.hits, cache.stats.failed_checks) == (3, 0)
+    shutil.copytree(folder, cache.path(key("b")))  # a sound entry, under another key
+    (folder / "new").write_bytes(b"x" * 100)
+    (folder / "new").rename(folder / "weights")  # replaced by a file of the right size with other bytes
+    cache.path(key("c")).mkdir()
+    (cache.path(key("c")) / "weights").write_bytes(b"x" * 100)  # put there by hand: no record of its digests
+    with caplog.at_level(logging.WARNING, logger="app.adapters.node_cache"):
+        for name in "abc":
+            use(cache, name)
+            with cache.entry(key(name), 100, never) as folder:
+                assert (folder / "weights").read_bytes() == b"w" * 100
+    assert (cache.stats.failed_checks, cache.stats.downloads) == (3, 3)
+    for reason in ("bytes 0-100 of weights differ from their digest", f"its record is of {key('a').uri}",
+                   "it has no record of its digests"):
+        assert reason in caplog.text
+    assert cache.used_bytes() == 300 and list(cache.tmp.iterdir()) == []
 
 
 _DIES_MID_DOWNLOAD = """

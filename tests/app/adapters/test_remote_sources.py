@@ -224,7 +224,7 @@ def test_s3_changed_object_is_revalidated_and_its_new_bytes_served(s3, registrie
     (lambda folder: make_adapter(folder, r=8), "its ranks no longer match"),
     (lambda folder: make_adapter(folder, r=4, lora_alpha=32), "its scales no longer match"),
     (lambda folder: edit_tensors(folder, lambda t: next(iter(t.values())).view(-1).__setitem__(0, float("inf"))),
-     "NaN/Inf.*its new version in the store; re-register it"),
+     "NaN/Inf.*its new version in the store: replace it there"),
 ], ids=["rank", "scale", "inf"])
 def test_s3_changed_object_that_no_longer_matches_is_refused(s3, registries, tmp_path, change, phrase):
     folder = tmp_path / "local" / "a"

@@ -38,8 +38,8 @@ test-gpu: install
 # keeps it so, and the CLI in another shell needs the same RAY_AUTH_MODE=token to send that token.
 # `python -m deploy.haproxy --env`: RAY_SERVE_ENABLE_HA_PROXY (HTTP goes from HAProxy straight to the ingress
 # replica instead of through Serve's Python proxy, about 6 ms less TTFT) where this machine has an HAProxy
-# binary, and HAProxy's client timeout (deploy/haproxy.py). Ray reads them where it starts, so they are set
-# here, for the cluster that `serve run` starts.
+# binary, with HAProxy's timeouts, its private folder and the launcher that hardens its config (deploy/haproxy.py).
+# Ray reads them where it starts, so they are set here, for the cluster that `serve run` starts.
 RAY_ENV = env RAY_AUTH_MODE=token $$($(BIN)/python -m deploy.haproxy --env)
 # deploy/preflight.py first: it ends a Serve HAProxy that an earlier `serve run`, killed without its shutdown,
 # left holding the ports, and stops at once, naming the process, when anything else holds them.

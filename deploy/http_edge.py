@@ -75,6 +75,8 @@ class RequestGuard:
 
     def _check_headers(self, scope) -> None:
         headers = Headers(scope=scope)
+        if len(headers.getlist("authorization")) > 1:  # proxies and servers disagree on which one counts
+            raise InvalidRequest("more than one Authorization header: send one")
         if self.api_key and scope["path"] != "/health":
             scheme, _, supplied = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(), self.api_key.encode()):

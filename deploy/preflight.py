@@ -24,7 +24,9 @@ from pathlib import Path
 
 import yaml
 
-SERVE_HAPROXY_CONFIG = os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/haproxy-serve/haproxy.cfg")
+from deploy import haproxy
+
+SERVE_HAPROXY_CONFIG = os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", str(haproxy.config_path()))
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's state column
 
 

@@ -51,10 +51,10 @@ def start_cluster(port: int, haproxy: bool = True) -> None:
     import ray
     from ray import serve
 
-    from deploy.haproxy import HAPROXY_ENV, available
+    from deploy.haproxy import HAPROXY_ENV, environment
 
-    if not ray.is_initialized():
-        os.environ[HAPROXY_ENV] = "1" if haproxy and available() else "0"  # read by the controller ray.init starts
+    if not ray.is_initialized():  # read by the controller that ray.init starts
+        os.environ.update(environment() if haproxy else {HAPROXY_ENV: "0"})
         ray.init()
     serve.start(http_options={"host": "127.0.0.1", "port": port})  # connects to Serve if it is running
 

@@ -70,7 +70,8 @@ def cluster(request, demo_dir, monkeypatch_module):
     """The app on 2 replicas, with the test module's CLUSTER_ARGS where it has them (None: the module deploys)."""
     # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
     # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
-    monkeypatch_module.setenv(haproxy.HAPROXY_ENV, "1" if haproxy.available() else "0")
+    for name, value in haproxy.environment().items():
+        monkeypatch_module.setenv(name, value)
     stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
     monkeypatch_module.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
     monkeypatch_module.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))

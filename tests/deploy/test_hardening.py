@@ -295,6 +295,9 @@ def test_every_route_but_health_needs_the_key(cluster, locked):
                 assert assert_openai_error(response)["code"] == "invalid_api_key"
         assert client.get("/health").json() == {"status": "ok"}
         assert client.get("/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200
+        two = httpx.Headers([("authorization", f"Bearer {KEY}"), ("authorization", "Bearer wrong")])
+        response = client.get("/v1/models", headers=two)
+        assert response.status_code == 400 and "more than one Authorization" in assert_openai_error(response)["message"]
         tokens = client.post("/tokenize", headers=locked, json={"model": "pirate", "prompt": PROMPT}).json()["tokens"]
         assert PROMPT in client.post("/detokenize", headers=locked, json={"model": "base", "tokens": tokens}).text
     assert_healthy(cluster, headers=locked)

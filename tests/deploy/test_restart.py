@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy bina
 
 
 def _env(tmp_path: Path, stats: int, metrics: int) -> dict:
-    return {**os.environ, **RAY_ENV, "RAY_ADDRESS": "local", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    return {**os.environ, **RAY_ENV, **haproxy.environment(), "RAY_ADDRESS": "local",
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats), "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics)}
 
 

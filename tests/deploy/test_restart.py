@@ -80,3 +80,25 @@ def test_a_port_held_by_another_program_stops_the_start_with_its_pid(tmp_path):
                                text=True, timeout=60, env={**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"})
     assert check.returncode == 1 and time.monotonic() - start < 30
     assert f":{port} is held by pid {os.getpid()}" in check.stderr and "serve shutdown" in check.stderr
+
+
+def test_a_second_start_on_the_same_port_stops_at_once_naming_the_first(tmp_path):
+    """Two `make serve` at once: the first holds the start's lock for its command's life, so the second cannot
+    also pass the check (both would, before either binds) and fail 30 s later inside Ray."""
+    [port] = free_ports(1)
+    config = write_serve_config(tmp_path / "serve_config.yaml", port, {}, [])
+    env = {**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    preflight_exec = [sys.executable, "-m", "deploy.preflight", str(config), "--exec"]
+    first = subprocess.Popen([*preflight_exec, "sleep", "60"], env=env)  # stands for `serve run`
+    try:
+        lock = haproxy.run_dir() / f"start-{port}.lock"
+        wait_for(lambda: lock.exists() and lock.read_text().strip() == str(first.pid), 30,
+                 what="the first start holds the lock")
+        second = subprocess.run([*preflight_exec, "true"], capture_output=True, text=True, timeout=30, env=env)
+        assert second.returncode == 1, second.stderr
+        assert f"another start of an app on :{port} (pid {first.pid})" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    again = subprocess.run([*preflight_exec, "true"], capture_output=True, text=True, timeout=30, env=env)
+    assert again.returncode == 0, again.stderr  # the lock went with the process that held it

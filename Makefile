@@ -41,14 +41,16 @@ test-gpu: install
 # binary, with HAProxy's timeouts, its private folder and the launcher that hardens its config (deploy/haproxy.py).
 # Ray reads them where it starts, so they are set here, for the cluster that `serve run` starts.
 RAY_ENV = env RAY_AUTH_MODE=token $$($(BIN)/python -m deploy.haproxy --env)
-# deploy/preflight.py first: it ends a Serve HAProxy that an earlier `serve run`, killed without its shutdown,
-# left holding the ports, and stops at once, naming the process, when anything else holds them or another start
-# on the same port is under way; then it becomes `serve run`, holding that start's lock.
+# `python -m deploy serve` (deploy/start.py): the config checked before Ray starts (deploy/check.py); the ports
+# (deploy/preflight.py ends a Serve HAProxy that an earlier `serve run`, killed without its shutdown, left holding
+# them, and stops at once, naming the process, when anything else holds them or another start on the same port
+# is under way); then `serve run`, and a line once the app answers. `make serve CONFIG=my.yaml` serves another.
+CONFIG ?= serve_config.yaml
 serve: install
-	$(RAY_ENV) $(BIN)/python -m deploy.preflight serve_config.yaml --exec $(BIN)/serve run serve_config.yaml
+	$(RAY_ENV) $(BIN)/python -m deploy serve $(CONFIG)
 
 serve-smollm2: demo-smollm2
-	$(RAY_ENV) $(BIN)/python -m deploy.preflight serve_config.smollm2.yaml --exec $(BIN)/serve run serve_config.smollm2.yaml
+	$(RAY_ENV) $(BIN)/python -m deploy serve serve_config.smollm2.yaml
 
 bench: install
 	$(BIN)/python -m bench.engine.hints --quick

@@ -5,11 +5,8 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
-from transformers import AutoConfig
-
-from app.model.architectures import check_supported
-
 from deploy.args import DEMO_DIR, AppArgs
+from deploy.check import check_base_model
 from deploy.ingress import Ingress
 from deploy.replica import LoRAReplica
 from deploy.router import AdapterAffinityRouter
@@ -29,16 +26,6 @@ def ensure_assets(args: AppArgs) -> None:
         from app.demo.build import ensure_demo
 
         ensure_demo(DEMO_DIR)
-
-
-def check_base_model(args: AppArgs) -> None:
-    """Refuse what can be refused before any replica starts: Serve would retry a replica whose constructor
-    refuses the base model for good, and `serve run` would wait without saying why."""
-    try:
-        config = AutoConfig.from_pretrained(args.base_model, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"base_model {args.base_model!r}: its config cannot be read ({e})") from e
-    check_supported(config)
 
 
 def replica_options(args: AppArgs) -> dict:
@@ -74,7 +61,7 @@ def build_app(args: AppArgs) -> Application:
 
 def make_app(args: AppArgs, **replica_overrides) -> Application:
     ensure_assets(args)
-    check_base_model(args)
+    check_base_model(args)  # before any replica starts: Serve would retry one that refuses it for good
     replicas = serve.deployment(LoRAReplica).options(**{**replica_options(args), **replica_overrides})
     ingress = serve.deployment(Ingress).options(
         name="Ingress", ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},

@@ -42,6 +42,10 @@ CLIENT_TIMEOUT_S = 30
 HTTP_REQUEST_TIMEOUT_S = 10
 MAX_CONNECTIONS_PER_SOURCE = 1024
 ADMIN_BIND = "127.0.0.1"
+# A stopped ingress replica stays reachable this long so that load balancers in front of HAProxy can drop it
+# (Ray's default: 30 s, which every Ctrl-C and scale-down of an idle app waited out). Ray's own HAProxy drops it
+# at its next reload or health check (250 ms apart while it fails), well within this.
+INGRESS_DRAINING_S = 2
 # Read by the launcher, in the environment Ray gives HAProxy: the real binary, and what `harden` applies.
 BINARY_ENV = "LORA_HAPROXY_BINARY"
 HTTP_REQUEST_TIMEOUT_ENV = "LORA_HAPROXY_TIMEOUT_HTTP_REQUEST_S"
@@ -49,7 +53,7 @@ PER_SOURCE_ENV = "LORA_HAPROXY_MAX_CONNECTIONS_PER_SOURCE"
 ADMIN_BIND_ENV = "LORA_HAPROXY_ADMIN_BIND"
 SETTINGS = {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
             HTTP_REQUEST_TIMEOUT_ENV: str(HTTP_REQUEST_TIMEOUT_S), PER_SOURCE_ENV: str(MAX_CONNECTIONS_PER_SOURCE),
-            ADMIN_BIND_ENV: ADMIN_BIND}
+            ADMIN_BIND_ENV: ADMIN_BIND, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(INGRESS_DRAINING_S)}
 
 
 class UnsafeConfig(Exception):

@@ -11,10 +11,10 @@ start then fails to bind. Ray 2.60 has no hook for this, so it is checked here, 
   that holds it and how to stop it.
 
     python -m deploy.preflight serve_config.yaml   # exit 0 when the ports are free (after ending orphans)
-    python -m deploy.preflight serve_config.yaml --exec serve run serve_config.yaml   # then become that command
 
-With --exec, the check and the command hold a lock on the app's HTTP port for the command's life, so that two
-starts at once cannot both pass the check: the second stops at once, naming the first.
+`python -m deploy serve` (deploy/start.py) also holds a lock on the app's HTTP port for its life
+(`hold_start_lock`), so that two starts at once cannot both pass this check: the second stops at once, naming
+the first.
 """
 
 from __future__ import annotations
@@ -156,41 +156,42 @@ def free_ports(ports: list[int], settle_s: float = 15.0, unseen_s: float = 3.0) 
                 for port, hs in found.items() for holder in hs if not holder.is_orphaned_serve_haproxy]
 
 
+def lock_path(port: int) -> Path:
+    return haproxy.private_dir() / f"start-{port}.lock"
+
+
 def hold_start_lock(port: int) -> int | None:
-    """A lock on starting an app on `port`, held by the returned descriptor (inherited across exec, so it lasts
-    as long as the command started); None when another start holds it."""
-    path = haproxy.private_dir() / f"start-{port}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """A lock on starting an app on `port`, held by the returned descriptor for this process's life; None when
+    another start holds it (its pid is in the file)."""
+    fd = os.open(lock_path(port), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
     os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())  # exec keeps the pid: the command's
-    os.set_inheritable(fd, True)
+    os.write(fd, str(os.getpid()).encode())
     return fd
 
 
+def locked_message(port: int, serve_config: Path) -> str:
+    holder = lock_path(port).read_text().strip() or "?"
+    return (f"cannot start: another start of an app on :{port} (pid {holder}) is under way or serving. Stop it "
+            f"first (Ctrl-C in its terminal), or choose another port in {serve_config} (http_options.port).")
+
+
+def held_message(problems: list[str], serve_config: Path) -> str:
+    return ("cannot start: " + "; ".join(problems) + ".\nIf it is a running app of this project, stop it with "
+            "`RAY_AUTH_MODE=token .venv/bin/serve shutdown -y` (or end that process); otherwise choose another "
+            f"port in {serve_config} (http_options.port).")
+
+
 def main(argv: list[str]) -> int:
-    command = argv[argv.index("--exec") + 1:] if "--exec" in argv else []
-    args = argv[:argv.index("--exec")] if "--exec" in argv else argv
-    serve_config = Path(args[0] if args else "serve_config.yaml")
-    ports = app_ports(serve_config)
-    if command and hold_start_lock(ports[0]) is None:
-        holder = (haproxy.private_dir() / f"start-{ports[0]}.lock").read_text().strip() or "?"
-        print(f"cannot start: another start of an app on :{ports[0]} (pid {holder}) is under way or serving. "
-              "Stop it first (Ctrl-C in its terminal), or choose another port in "
-              f"{serve_config} (http_options.port).", file=sys.stderr)
-        return 1
-    problems = free_ports(ports)
+    serve_config = Path(argv[0] if argv else "serve_config.yaml")
+    problems = free_ports(app_ports(serve_config))
     if problems:
-        print("cannot start: " + "; ".join(problems) + ".\nIf it is a running app of this project, stop it with "
-              "`RAY_AUTH_MODE=token .venv/bin/serve shutdown -y` (or end that process); otherwise choose another "
-              f"port in {serve_config} (http_options.port).", file=sys.stderr)
+        print(held_message(problems, serve_config), file=sys.stderr)
         return 1
-    if command:
-        os.execvp(command[0], command)
     return 0
 
 

@@ -1,10 +1,12 @@
-"""`make serve` starts again after its `serve run` was killed without a graceful shutdown (SIGKILL): Serve's
-HAProxy outlives the cluster and keeps the ports, and deploy/preflight.py ends it before the next start. A
-port held by any other process stops the start at once with a message naming it."""
+"""`make serve` (`python -m deploy serve`) starts again after it was killed without a graceful shutdown
+(SIGKILL): Serve's HAProxy outlives the cluster and keeps the ports, and deploy/preflight.py ends it before the
+next start. Each start says when the app answers, and Ctrl-C stops it and says when it is done. A port held by
+any other process stops the start at once with a message naming it."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,7 +18,7 @@ import httpx
 import pytest
 
 from deploy import haproxy, preflight
-from ray_nodes import RAY_ENV, SERVE, free_ports, stop_serve_run, write_serve_config
+from ray_nodes import RAY_ENV, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
@@ -28,13 +30,17 @@ def _env(tmp_path: Path, stats: int, metrics: int) -> dict:
 
 
 def _start(config: Path, env: dict, log: Path) -> subprocess.Popen:
-    """What `make serve` runs: the preflight, then `serve run` (which starts its own local cluster)."""
-    check = subprocess.run([sys.executable, "-m", "deploy.preflight", str(config)], env=env, capture_output=True,
-                           text=True, timeout=60)
-    assert check.returncode == 0, check.stderr
+    """What `make serve` runs: the checks, then `serve run` (which starts its own local cluster) as a child, both
+    in a process group of their own, as a terminal would hold them."""
     with open(log, "ab") as out:
-        return subprocess.Popen([SERVE, "run", str(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", "deploy", "serve", str(config)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _ready(log: Path, starts: int) -> bool:
+    """Whether the log holds the ready line of the `starts`-th start, naming the base model and the adapter."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("ready: ")]
+    return len(lines) >= starts and "1 adapters, 1 replica;" in lines[-1] and "/docs" in lines[-1]
 
 
 def _answers(port: int) -> bool:
@@ -52,13 +58,21 @@ def test_make_serve_starts_again_after_serve_run_was_killed(tmp_path, demo_dir):
     first = _start(config, env, log)
     second = None
     try:
-        wait_for(lambda: _answers(http), 240, what="the first start answers")
-        first.send_signal(signal.SIGKILL)
+        wait_for(lambda: _ready(log, 1), 240, what="the first start says it is ready")
+        assert _answers(http)
+        for pid in [first.pid, *map(int, subprocess.check_output(["pgrep", "-P", str(first.pid)]).split())]:
+            os.kill(pid, signal.SIGKILL)  # `make serve` and its `serve run`, without their shutdown
         first.wait(timeout=30)
         orphans = [h for h in preflight.holders(http) if h.pid is not None]
         print(f"after SIGKILL :{http} is held by {orphans}")
         second = _start(config, env, log)  # the preflight ends what the first start left behind
-        wait_for(lambda: _answers(http), 240, what="the second start answers")
+        wait_for(lambda: _ready(log, 2), 240, what="the second start says it is ready")
+        assert _answers(http)
+        asked = time.monotonic()
+        os.killpg(second.pid, signal.SIGINT)  # Ctrl-C in its terminal
+        second.wait(timeout=60)
+        print(f"Ctrl-C stopped it in {time.monotonic() - asked:.1f} s")
+        assert re.search(r"^stopped in \d+ s$", log.read_text(), re.M), log.read_text()[-2000:]
     finally:
         for process in (second, first):
             if process is not None:
@@ -81,24 +95,3 @@ def test_a_port_held_by_another_program_stops_the_start_with_its_pid(tmp_path):
     assert check.returncode == 1 and time.monotonic() - start < 30
     assert f":{port} is held by pid {os.getpid()}" in check.stderr and "serve shutdown" in check.stderr
 
-
-def test_a_second_start_on_the_same_port_stops_at_once_naming_the_first(tmp_path):
-    """Two `make serve` at once: the first holds the start's lock for its command's life, so the second cannot
-    also pass the check (both would, before either binds) and fail 30 s later inside Ray."""
-    [port] = free_ports(1)
-    config = write_serve_config(tmp_path / "serve_config.yaml", port, {}, [])
-    env = {**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
-    preflight_exec = [sys.executable, "-m", "deploy.preflight", str(config), "--exec"]
-    first = subprocess.Popen([*preflight_exec, "sleep", "60"], env=env)  # stands for `serve run`
-    try:
-        lock = haproxy.run_dir() / f"start-{port}.lock"
-        wait_for(lambda: lock.exists() and lock.read_text().strip() == str(first.pid), 30,
-                 what="the first start holds the lock")
-        second = subprocess.run([*preflight_exec, "true"], capture_output=True, text=True, timeout=30, env=env)
-        assert second.returncode == 1, second.stderr
-        assert f"another start of an app on :{port} (pid {first.pid})" in second.stderr
-    finally:
-        first.kill()
-        first.wait()
-    again = subprocess.run([*preflight_exec, "true"], capture_output=True, text=True, timeout=30, env=env)
-    assert again.returncode == 0, again.stderr  # the lock went with the process that held it

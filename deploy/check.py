@@ -1,0 +1,116 @@
+"""A serve config checked before Ray starts: what `serve run` would otherwise find only inside the cluster, after
+seconds, as a traceback that Serve repeats while it retries the build.
+
+For each application built by deploy.app:build_app: every arg (an unknown one with the closest valid name),
+the base model (a readable transformers folder of a supported architecture) and each local adapter (readable,
+a LoRA the base can serve, within max_rank). Remote adapters are checked by the replicas when they start: the
+check makes no network call.
+
+    python -m deploy check serve_config.yaml     # exit 0, or 1 with one line per problem
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+from transformers import AutoConfig
+
+from app.adapters.format import CONFIG_NAME
+from app.adapters.registry import AdapterRegistry
+from app.adapters.remote import is_remote
+from app.errors import ServingError
+from app.model.architectures import UnsupportedModel, check_supported
+from deploy.args import DEMO_DIR, AppArgs
+
+BUILD_APP = "deploy.app:build_app"
+
+
+class ConfigProblem(ValueError):
+    """What is wrong with a serve config, one line per problem."""
+
+
+def check_file(path: Path) -> list[AppArgs]:
+    """The args of each of the file's applications that this project builds; ConfigProblem otherwise."""
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigProblem(f"{path}: cannot be read as YAML ({e})") from None
+    applications = [app for app in config.get("applications") or [] if app.get("import_path") == BUILD_APP]
+    if not applications:
+        raise ConfigProblem(f"{path}: no application with import_path {BUILD_APP}")
+    checked, problems = [], []
+    for app in applications:
+        where = f"{path}: application {app.get('name', '?')!r}"
+        try:
+            args = parse_args(app.get("args") or {})
+            check_base_model(args)
+            problems += [f"{where}: {problem}" for problem in adapter_problems(args)]
+            checked.append(args)
+        except (ConfigProblem, UnsupportedModel) as e:
+            problems += [f"{where}: {line}" for line in str(e).splitlines()]
+    if problems:
+        raise ConfigProblem("\n".join(problems))
+    return checked
+
+
+def parse_args(values: dict) -> AppArgs:
+    try:
+        return AppArgs.model_validate(values)
+    except ValidationError as e:
+        raise ConfigProblem("\n".join(_arg_problem(error) for error in e.errors())) from None
+
+
+def _arg_problem(error: dict) -> str:
+    field = ".".join(str(part) for part in error["loc"]) or "args"
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(field, AppArgs.model_fields, n=1)
+        return f"args.{field}: unknown field" + (f"; did you mean {close[0]!r}?" if close else "")
+    return f"args.{field}: {error['msg'].removeprefix('Value error, ')}"
+
+
+def check_base_model(args: AppArgs) -> None:
+    """A readable transformers folder of a supported architecture (the demo's is built on first use)."""
+    if args.build_demo and args.base_model == str(DEMO_DIR / "base"):
+        return
+    folder = Path(args.base_model).expanduser()
+    if not folder.is_dir():
+        raise ConfigProblem(f"base_model {args.base_model!r}: no such directory")
+    if not (folder / "config.json").is_file():
+        raise ConfigProblem(f"base_model {args.base_model!r}: not a transformers model folder (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigProblem(f"base_model {args.base_model!r}: its config.json cannot be read ({e})") from None
+    check_supported(config)  # UnsupportedModel, naming the model type
+
+
+def adapter_problems(args: AppArgs) -> list[str]:
+    """Why each local adapter the app starts with would be refused."""
+    local_roots = [root for root in args.adapter_roots if not is_remote(root)]
+    missing = [root for root in local_roots if not Path(root).expanduser().is_dir()]
+    if missing:
+        return [f"adapter_roots: {root!r}: no such directory" for root in missing]
+    if args.build_demo and args.base_model == str(DEMO_DIR / "base") or not local_roots:
+        return []  # the demo's adapters are built with it; remote ones are read by the replicas
+    if args.adapters == "discover":
+        adapters = {}
+        for root in local_roots:
+            for folder in sorted(Path(root).expanduser().glob(f"*/{CONFIG_NAME}")):
+                adapters.setdefault(folder.parent.name, str(folder.parent))
+    else:  # a name alone may be under a remote root: those are the replicas' to check
+        only_local = len(local_roots) == len(args.adapter_roots)
+        adapters = {name: path for name, path in args.adapters.items()
+                    if not is_remote(path) and (only_local or Path(path).is_absolute())}
+    registry = AdapterRegistry(local_roots, AutoConfig.from_pretrained(args.base_model, local_files_only=True),
+                               args.max_rank, args.max_adapter_bytes, args.target_modules)
+    problems = []
+    for name, path in adapters.items():
+        try:
+            registry.validate(name, path)
+        except (ServingError, OSError, ValueError) as e:
+            problems.append(f"adapter {name!r}: {e}")
+    registry.shutdown()
+    return problems

@@ -124,6 +124,9 @@ log = logging.getLogger("ray.serve")
 
 async def _invalid_body(request: Request, exc: RequestValidationError):
     errors = exc.errors()
+    if any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body", "model") for e in errors):
+        # OpenAI's answer, which clients and SDKs expect, rather than the schema's 422
+        return _serving_error_response(request, InvalidRequest("you must provide a model parameter"))
     malformed = any(e.get("type") in ("json_invalid", "model_attributes_type") for e in errors)
     detail = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
     error = InvalidRequest(f"malformed request body: {detail}") if malformed else SchemaViolation(

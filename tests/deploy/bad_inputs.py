@@ -75,7 +75,7 @@ BAD_INPUT = [
     Case("model null", 422, completion(model=None)),
     Case("stop a number", 422, completion(stop=5)),
     Case("stream_options a list", 422, completion(stream_options=[1])),
-    Case("no model", 422, without(completion(), "model")),
+    Case("no model", 400, without(completion(), "model")),  # as OpenAI answers
     Case("no prompt", 422, without(completion(), "prompt")),
     Case("negative max_tokens", 422, completion(max_tokens=-1)),
     Case("zero max_tokens", 422, completion(max_tokens=0)),
@@ -143,7 +143,7 @@ BAD_INPUT = [
          headers={"content-type": "application/json"}, chat=True),
     Case("chat text/plain content type", 400, content=json.dumps(chat()).encode(),
          headers={"content-type": "text/plain"}, chat=True),
-    Case("chat no model", 422, without(chat(), "model"), chat=True),
+    Case("chat no model", 400, without(chat(), "model"), chat=True),
     Case("chat no messages", 422, without(chat(), "messages"), chat=True),
     Case("chat empty messages", 422, chat(messages=[]), chat=True),
     Case("chat messages a string", 422, chat(messages="hi"), chat=True),

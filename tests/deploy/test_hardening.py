@@ -2,7 +2,8 @@
 
 Status choices, where OpenAI leaves room:
 - A body that is not a JSON object (bad JSON, bad UTF-8, another content type) is 400; a JSON object
-  with a field of the wrong type, range or presence is 422 (pydantic at the edge).
+  with a field of the wrong type, range or presence is 422 (pydantic at the edge), but for a missing `model`:
+  400, as OpenAI answers.
 - max_tokens past MAX_TOKENS_LIMIT (2**20) is 422; within it but past the KV budget
   (prompt + max_tokens > max_total_tokens) it is 400 invalid_request.
 - A prompt of control characters is valid text: 200.

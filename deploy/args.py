@@ -104,9 +104,15 @@ class AppSettings(BaseModel):
                 finally:
                     store.shutdown()
                 continue
-            for folder in sorted(Path(root).glob(f"*/{CONFIG_NAME}")):
-                found.setdefault(folder.parent.name, str(folder.parent))
+            for name, folder in discover_local(root).items():
+                found.setdefault(name, folder)
         return found
+
+
+def discover_local(root: str) -> dict[str, str]:
+    """name -> folder of each sub-folder of `root` that holds an adapter config."""
+    configs = sorted(Path(root).expanduser().glob(f"*/{CONFIG_NAME}"))
+    return {config.parent.name: str(config.parent) for config in configs}
 
 
 # Every engine setting is an arg too, with EngineConfig's own type, default, limits and description.

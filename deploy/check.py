@@ -18,12 +18,11 @@ import yaml
 from pydantic import ValidationError
 from transformers import AutoConfig
 
-from app.adapters.format import CONFIG_NAME
 from app.adapters.registry import AdapterRegistry
 from app.adapters.remote import is_remote
 from app.errors import ServingError
 from app.model.architectures import UnsupportedModel, check_supported
-from deploy.args import DEMO_DIR, AppArgs
+from deploy.args import DEMO_DIR, AppArgs, discover_local
 
 BUILD_APP = "deploy.app:build_app"
 
@@ -97,9 +96,8 @@ def adapter_problems(args: AppArgs) -> list[str]:
         return []  # the demo's adapters are built with it; remote ones are read by the replicas
     if args.adapters == "discover":
         adapters = {}
-        for root in local_roots:
-            for folder in sorted(Path(root).expanduser().glob(f"*/{CONFIG_NAME}")):
-                adapters.setdefault(folder.parent.name, str(folder.parent))
+        for root in reversed(local_roots):  # the first root's wins, as when the app starts
+            adapters.update(discover_local(root))
     else:  # a name alone may be under a remote root: those are the replicas' to check
         only_local = len(local_roots) == len(args.adapter_roots)
         adapters = {name: path for name, path in args.adapters.items()

@@ -255,22 +255,23 @@ def spare_moto():
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+def _serving(folder: Path):
+    folder.mkdir()
+    server = FileServer(folder)
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def file_server(tmp_path):
     """An HTTP file server over tmp_path / "www"."""
-    (tmp_path / "www").mkdir()
-    server = FileServer(tmp_path / "www")
-    yield server
-    server.stop()
+    yield from _serving(tmp_path / "www")
 
 
 @pytest.fixture
 def foreign_server(tmp_path):
     """A second HTTP file server, over tmp_path / "foreign": a host outside the adapter roots."""
-    (tmp_path / "foreign").mkdir()
-    server = FileServer(tmp_path / "foreign")
-    yield server
-    server.stop()
+    yield from _serving(tmp_path / "foreign")
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from app.api import responses
 from app.api.fanout import merge_chunks
 from app.api import schemas as api
 from app.api.wire import ErrorReply, GenerateCall
+from app.engine.registry_mirror import refused_error
 from app.errors import (AdapterAlreadyExists, AdapterNotFound, CapacityExceeded, EngineUnavailable, Forbidden,
                         InvalidRequest, ModelNotFound)
 from deploy import metrics
@@ -59,6 +60,7 @@ class Ingress:
         self.validator = AdapterRegistry(self.args.adapter_roots, base_config, self.args.max_rank,
                                          self.args.max_adapter_bytes, fetch_timeout_s=self.args.adapter_fetch_timeout_s)
         self.adapters: dict[str, str] = {}  # the router actor's registry, as last read (on demand)
+        self.refused: dict[str, str] = {}  # its adapters that every replica refused, with a reason, as last read
         context = serve.get_replica_context()
         self.app_name, self.code_version = context.app_name, context.code_version
         self._router_state: ActorHandle | None = None
@@ -92,7 +94,9 @@ class Ingress:
 
     async def _refresh_adapters(self) -> None:
         try:
-            self.adapters = (await self._call_state("adapters_snapshot"))["adapters"]
+            snapshot = await self._call_state("adapters_snapshot")
+            # The previous code version's actor, during a rolling update, reports no refusals.
+            self.adapters, self.refused = snapshot["adapters"], snapshot.get("refused", {})
         except EngineUnavailable as e:
             log.info("adapter registry unavailable, using the cached one: %s", e)
 
@@ -101,11 +105,13 @@ class Ingress:
             return None
         if any(c in model for c in ("/", "\x00")) or ".." in model:
             raise ModelNotFound(f"model {model!r} does not exist (names cannot contain '/', '..' or NUL)")
-        if model not in self.adapters:
+        if model not in self.adapters or model in self.refused:  # a refused adapter may have been fixed since
             await self._refresh_adapters()
         if model not in self.adapters:
             raise AdapterNotFound(f"model {model!r} does not exist; GET /v1/models lists "
-                                  f"{len(self.adapters) + 1} models")
+                                  f"{len(self.adapters) - len(self.refused) + 1} models")
+        if model in self.refused:
+            raise refused_error(model, self.refused[model])
         return model
 
     @fastapi_app.get("/health")
@@ -120,7 +126,7 @@ class Ingress:
                 "root": self.args.base_model, "parent": None}
         return {"object": "list", "data": [base] + [
             {"id": name, "object": "model", "created": created, "owned_by": "lora-serve", "root": path,
-             "parent": self.model_id} for name, path in sorted(self.adapters.items())]}
+             "parent": self.model_id} for name, path in sorted(self.adapters.items()) if name not in self.refused]}
 
     async def _register(self, name: str, path: str) -> dict:
         if not self.args.allow_adapter_registration:

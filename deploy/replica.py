@@ -19,7 +19,7 @@ from app.api.fanout import generate_choices, output_chunk
 from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall
 from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, freeze_heap
 from app.engine.process import EngineProcess
-from app.engine.registry_mirror import RegistryMirror
+from app.engine.registry_mirror import RETRY_REFUSED_S, RegistryMirror
 from app.engine.engine import LLMEngine
 from app.errors import InternalError, ServingError
 from deploy import metrics
@@ -54,6 +54,8 @@ class LoRAReplica:
         self._ongoing = 0  # calls in stream(), which Serve counts against max_ongoing_requests
         self.registry = RegistryMirror(self.engine, self._registry_snapshot)
         await self.registry.sync(await self._first_registry())
+        self._log_registry()
+        self._retried_at = time.monotonic()  # when the adapters refused for their files were last tried again
         await self.engine.call(freeze_heap)  # the engine and its adapters live as long as the process
         self._known: tuple | None = None
         self._reported = dict.fromkeys(ARRIVAL_KINDS | HINTED_TIERS, 0)
@@ -100,7 +102,7 @@ class LoRAReplica:
 
     async def _stats(self) -> ReplicaStats:
         stats = await self.engine.call(methodcaller("routing_stats"))
-        return replace(stats, ongoing=self._ongoing, rss_bytes=_rss_bytes())
+        return replace(stats, ongoing=self._ongoing, rss_bytes=_rss_bytes(), refused=self.registry.refusals())
 
     async def check_health(self) -> None:
         if not self.engine.is_alive():
@@ -132,6 +134,13 @@ class LoRAReplica:
             await asyncio.sleep(0.5)
         return snapshot or {}
 
+    def _log_registry(self) -> None:
+        """One line at start: what the replica serves, and why it refused what it did not take."""
+        refused = self.registry.refused
+        log.log(logging.WARNING if refused else logging.INFO, "registered %d of %d adapters%s",
+                len(self.registry.held), len(self.registry.wanted),
+                "".join(f"; refused {name}: {why}" for name, why in sorted(refused.items())))
+
     async def _state(self) -> ActorHandle:
         """The router actor, looked up again after _sync_loop drops a dead one (Serve recreates it)."""
         if self._router_state is None:
@@ -156,6 +165,9 @@ class LoRAReplica:
                     self._known = (reply.epoch, reply.version)
                 elif self.registry.deferred:
                     await self.registry.retry_deferred()
+                if self.registry.refusals() and time.monotonic() - self._retried_at >= RETRY_REFUSED_S:
+                    self._retried_at = time.monotonic()  # fixing an adapter's files needs no restart
+                    await self.registry.retry_refused()
                 if time.monotonic() - self._exported_at >= METRICS_EVERY_S:  # hints can end a poll many times a second
                     self._exported_at = time.monotonic()
                     await self._export_metrics()

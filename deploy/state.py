@@ -120,7 +120,18 @@ class RouterState:
     # --- registry -------------------------------------------------------------------------------
 
     async def adapters_snapshot(self) -> dict:
-        return {"version": self.version, "adapters": dict(self.adapters)}
+        """The registry, and its adapters that no replica serves: `refused` {name: one replica's reason}."""
+        return {"version": self.version, "adapters": dict(self.adapters), "refused": self.refused()}
+
+    def refused(self) -> dict[str, str]:
+        """The registered adapters that every live replica refuses for their files: a request for one can only
+        fail. One replica that holds an adapter serves it, so it is refused only where all of them refuse it."""
+        now = time.time()
+        live = [self.views[u] for u, at in self.reported_at.items() if now - at <= STALE_S]
+        if not live:
+            return {}
+        names = set(self.adapters).intersection(*(stats.refused for stats in live))
+        return {name: live[0].refused[name] for name in sorted(names)}
 
     async def register(self, name: str, path: str) -> int | None:
         """The new registry version, or None if `name` is registered already. Check and write happen here, in the

@@ -47,6 +47,7 @@ class ReplicaStats:
     step_timing: dict = field(default_factory=dict)
     node_cache: dict | None = None  # the node cache's counters, where the replica serves remote adapters
     rss_bytes: int = 0
+    refused: dict[str, str] = field(default_factory=dict)  # adapter -> why the engine refused its files
 
     def to_dict(self) -> dict:
         """For JSON, and for Serve's routing stats, which its controller keeps without importing this module."""

@@ -3,13 +3,14 @@ what the registry says, defers a change while requests use the old weights, refu
 new entry, and keeps each refused adapter out with its reason."""
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
 
 from app.engine.async_engine import AsyncEngine
 from app.engine.registry_mirror import RegistryMirror
-from app.errors import AdapterNotFound, EngineUnavailable
+from app.errors import AdapterInvalid, AdapterNotFound, AdapterStoreUnavailable, EngineUnavailable
 from engine_helpers import greedy
 
 
@@ -45,9 +46,48 @@ def test_a_refused_adapter_is_kept_out_with_its_reason(engine, demo_dir, manifes
     wanted = {**paths(demo_dir, manifest, 1), "ghost": str(Path(demo_dir) / "adapters" / "no-such-folder")}
     mirror = RegistryMirror(engine, snapshot=None)
     asyncio.run(mirror.sync(wanted))
-    assert "ghost" not in mirror.held and "ghost" in mirror.refused and "no such directory" in mirror.refused["ghost"]
+    assert "ghost" not in mirror.held and "no such directory" in mirror.refusals()["ghost"]
     asyncio.run(mirror.sync(paths(demo_dir, manifest, 1)))  # gone from the registry: its reason goes too
     assert mirror.refused == {}
+
+
+def test_a_request_for_a_refused_adapter_gets_its_reason_and_a_fixed_folder_is_taken_on_retry(make_engine, demo_dir,
+                                                                                              manifest, tmp_path):
+    engine = AsyncEngine(make_engine(register=False, adapter_roots=(str(Path(demo_dir) / "adapters"), str(tmp_path))))
+    good = paths(demo_dir, manifest, 1)
+    wanted = {**good, "ghost": str(tmp_path / "ghost")}
+
+    async def owner():
+        return dict(wanted)
+
+    mirror = RegistryMirror(engine, owner)
+
+    async def main():
+        await mirror.sync(wanted)
+        with pytest.raises(AdapterInvalid, match="refused it .*no such directory"):
+            await mirror.adopt("ghost")
+        shutil.copytree(next(iter(good.values())), tmp_path / "ghost")  # the folder fixed: no restart needed
+        await mirror.retry_refused()
+        assert mirror.is_current("ghost") and mirror.refusals() == {}
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+class StoreDown:
+    """An engine whose adapter store is down: every registration fails for now."""
+
+    async def call_aside(self, fn):
+        raise AdapterStoreUnavailable("s3://bucket/a: the store did not answer")
+
+
+def test_a_store_outage_is_not_reported_as_a_refusal():
+    """The replica reports only refusals that stand until the files change; a store that is down passes."""
+    mirror = RegistryMirror(StoreDown(), snapshot=None)
+    asyncio.run(mirror.sync({"a": "s3://bucket/a"}))
+    assert "a" in mirror.refused and mirror.refusals() == {}
 
 
 def test_a_change_waits_for_the_requests_on_the_old_weights(engine, demo_dir, manifest):

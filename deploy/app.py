@@ -17,6 +17,8 @@ from deploy.state import REPLICA_DEPLOYMENT, STATE_ACTOR, RouterState
 # twice more per hop. One loop per replica process is the latency-optimized setting of Serve
 # (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on). Our handlers leave file reads and engine work
 # to threads, so they do not hold the shared loop.
+# How often a stopping replica looks whether its calls have ended (Serve's default, 2 s, is added to every stop).
+STOP_POLL_S = 0.25
 SINGLE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
@@ -39,6 +41,7 @@ def replica_options(args: AppArgs) -> dict:
                               "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": 30,
+        "graceful_shutdown_wait_loop_s": STOP_POLL_S,
         "deployment_actors": [DeploymentActorConfig(
             name=STATE_ACTOR, actor_class=ray.remote(RouterState), init_kwargs={"adapters": args.initial_adapters()},
             actor_options={"num_cpus": 0})],
@@ -65,5 +68,5 @@ def make_app(args: AppArgs, **replica_overrides) -> Application:
     replicas = serve.deployment(LoRAReplica).options(**{**replica_options(args), **replica_overrides})
     ingress = serve.deployment(Ingress).options(
         name="Ingress", ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},
-        max_ongoing_requests=1000)
+        max_ongoing_requests=1000, graceful_shutdown_wait_loop_s=STOP_POLL_S)
     return ingress.bind(replicas.bind(args.model_dump()), args.model_dump())

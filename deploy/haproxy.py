@@ -20,7 +20,9 @@ it (`harden`), and then runs the real binary, and puts every file Ray writes for
   or not, is not cut: that timeout applies only while HAProxy waits for the client);
 - one client address holds at most MAX_CONNECTIONS_PER_SOURCE connections, so that one client cannot take all of
   HAProxy's `maxconn`;
-- `/-/routes` answers 404: it lists the app's routes to anyone, without the API key.
+- `/-/routes` answers 404: it lists the app's routes to anyone, without the API key;
+- while no application is deployed (the app is starting), a request gets a prompt 503 with Retry-After in
+  OpenAI's error shape, where Ray answers 404 "Path not found".
 A config that lacks a line the launcher rewrites is refused (HAProxy does not start) rather than run unhardened.
 
     python -m deploy.haproxy         # the flag's value for this machine: 1, or 0 with the reason on stderr
@@ -30,6 +32,7 @@ A config that lacks a line the launcher rewrites is refused (HAProxy does not st
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -54,6 +57,10 @@ ADMIN_BIND_ENV = "LORA_HAPROXY_ADMIN_BIND"
 SETTINGS = {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
             HTTP_REQUEST_TIMEOUT_ENV: str(HTTP_REQUEST_TIMEOUT_S), PER_SOURCE_ENV: str(MAX_CONNECTIONS_PER_SOURCE),
             ADMIN_BIND_ENV: ADMIN_BIND, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(INGRESS_DRAINING_S)}
+
+
+STARTING = {"error": {"message": "no application is deployed yet: the app is starting", "type": "server_error",
+                      "code": "starting"}}
 
 
 class UnsafeConfig(Exception):
@@ -119,6 +126,7 @@ def harden(config: str, http_request_timeout_s: int = HTTP_REQUEST_TIMEOUT_S,
     """Ray's rendered config with the admin socket private, the stats and metrics listeners on admin_bind, a
     header timeout, a connection limit per client address, and /-/routes hidden."""
     section, out, done = "", [], set()
+    no_app = not re.search(r"^\s*use_backend ", config, re.M)
     for line in config.splitlines():
         if line and not line[0].isspace():
             section = line.strip()
@@ -132,6 +140,9 @@ def harden(config: str, http_request_timeout_s: int = HTTP_REQUEST_TIMEOUT_S,
             done.add(section)
         elif section == "defaults" and body.startswith("timeout http-request"):
             continue  # set below, once
+        elif section == "backend default_backend" and no_app and body.startswith("http-request return status 404"):
+            quoted = json.dumps(json.dumps(STARTING))  # a JSON string is quoted as HAProxy quotes its strings
+            line = f"    http-request return status 503 content-type application/json hdr retry-after 5 string {quoted}"
         elif section == "frontend http_frontend" and body == "acl routes path -i /-/routes":
             out += [line, '    http-request return status 404 content-type text/plain string "Not Found" if routes']
             continue

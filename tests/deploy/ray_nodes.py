@@ -164,12 +164,12 @@ def serve_cli(*args: str, env: dict, timeout_s: float = 120) -> subprocess.Compl
 
 
 def stop_serve_run(process: subprocess.Popen) -> None:
-    """serve run's graceful shutdown (it can take a minute), then its whole process group: a cluster left running
-    would be the one a later test's ray.init() connects to."""
+    """serve run's graceful shutdown (seconds when idle; given 30 s), then its whole process group: a cluster left
+    running would be the one a later test's ray.init() connects to."""
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
         try:
-            process.wait(timeout=120)
+            process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
     try:

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deploy import haproxy
+from ray_nodes import free_ports
+from traffic import wait_for
 
 
 def test_available_from_the_package_or_the_path(monkeypatch):
@@ -29,14 +32,14 @@ def test_the_flag_make_serve_reads():
     assert out.stdout.strip() == ("1" if haproxy.available() else "0")
 
 
-def rendered_by_ray(folder: Path) -> Path:
-    """The config Ray's HAProxy manager writes (its own template, no cluster)."""
+def rendered_by_ray(folder: Path, **settings) -> Path:
+    """The config Ray's HAProxy manager writes (its own template, no cluster), with no application yet."""
     from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
 
     config = folder / "haproxy.cfg"
     HAProxyApi(cfg=HAProxyConfig(socket_path=str(folder / "admin.sock"), server_state_base=str(folder),
                                  server_state_file=str(folder / "server-state"),
-                                 metrics_socket_path=str(folder / "metrics.sock")),
+                                 metrics_socket_path=str(folder / "metrics.sock"), **settings),
                config_file_path=str(config))._generate_config_file_internal()
     return config
 
@@ -73,3 +76,25 @@ def test_the_private_folder_is_refused_when_others_may_enter_it(tmp_path):
     folder.chmod(0o755)
     with pytest.raises(PermissionError, match="mode 700"):
         haproxy.private_dir(folder)
+
+
+@needs_binary
+def test_before_any_app_is_deployed_a_request_gets_a_prompt_503(tmp_path):
+    """Ray's config with no application yet answers 404 "Path not found"; hardened, a 503 that says the app is
+    starting, with Retry-After, in OpenAI's error shape. Once an app is deployed, unknown paths keep Ray's 404."""
+    from ray.serve.config import HTTPOptions
+
+    http, stats, metrics = free_ports(3)
+    config = rendered_by_ray(tmp_path, http_options=HTTPOptions(host="127.0.0.1", port=http), stats_port=stats,
+                             metrics_port=metrics)
+    config.write_text(haproxy.harden(config.read_text()))
+    server = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        response = wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=2), 10,
+                            what="HAProxy answers")
+        assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
+        assert response.json()["error"]["code"] == "starting"
+    finally:
+        server.kill()
+        server.wait()

@@ -46,7 +46,7 @@ HTTP_REQUEST_TIMEOUT_S = 10
 MAX_CONNECTIONS_PER_SOURCE = 1024
 ADMIN_BIND = "127.0.0.1"
 # A stopped ingress replica stays reachable this long so that load balancers in front of HAProxy can drop it
-# (Ray's default: 30 s, which every Ctrl-C and scale-down of an idle app waited out). Ray's own HAProxy drops it
+# (Ray's default, 30 s, would hold every Ctrl-C and scale-down of an idle app that long). Ray's own HAProxy drops it
 # at its next reload or health check (250 ms apart while it fails), well within this.
 INGRESS_DRAINING_S = 2
 # Read by the launcher, in the environment Ray gives HAProxy: the real binary, and what `harden` applies.

@@ -24,7 +24,7 @@ SINGLE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE
 
 def ensure_assets(args: AppArgs) -> None:
     """The built-in demo is generated on first use, so a fresh machine needs no other step."""
-    if args.build_demo and args.base_model == str(DEMO_DIR / "base"):
+    if args.uses_demo:
         from app.demo.build import ensure_demo
 
         ensure_demo(DEMO_DIR)

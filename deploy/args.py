@@ -79,6 +79,11 @@ class AppSettings(BaseModel):
         return self
 
     @property
+    def uses_demo(self) -> bool:
+        """The built-in demo's base, generated on first use."""
+        return self.build_demo and self.base_model == str(DEMO_DIR / "base")
+
+    @property
     def served_model_id(self) -> str:
         return self.model_id or Path(self.base_model).name
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from app.adapters.registry import AdapterRegistry
 from app.adapters.remote import is_remote
 from app.errors import ServingError
 from app.model.architectures import UnsupportedModel, check_supported
-from deploy.args import DEMO_DIR, AppArgs, discover_local
+from deploy.args import AppArgs, discover_local
 
 BUILD_APP = "deploy.app:build_app"
 
@@ -45,8 +45,9 @@ def check_file(path: Path) -> list[AppArgs]:
         where = f"{path}: application {app.get('name', '?')!r}"
         try:
             args = parse_args(app.get("args") or {})
-            check_base_model(args)
-            problems += [f"{where}: {problem}" for problem in adapter_problems(args)]
+            if not args.uses_demo:  # built, with its adapters, on first use
+                base_config = check_base_model(args)
+                problems += [f"{where}: {problem}" for problem in adapter_problems(args, base_config)]
             checked.append(args)
         except (ConfigProblem, UnsupportedModel) as e:
             problems += [f"{where}: {line}" for line in str(e).splitlines()]
@@ -70,10 +71,8 @@ def _arg_problem(error: dict) -> str:
     return f"args.{field}: {error['msg'].removeprefix('Value error, ')}"
 
 
-def check_base_model(args: AppArgs) -> None:
-    """A readable transformers folder of a supported architecture (the demo's is built on first use)."""
-    if args.build_demo and args.base_model == str(DEMO_DIR / "base"):
-        return
+def check_base_model(args: AppArgs) -> PretrainedConfig:
+    """The config of a readable transformers folder of a supported architecture."""
     folder = Path(args.base_model).expanduser()
     if not folder.is_dir():
         raise ConfigProblem(f"base_model {args.base_model!r}: no such directory")
@@ -84,16 +83,17 @@ def check_base_model(args: AppArgs) -> None:
     except (OSError, ValueError) as e:
         raise ConfigProblem(f"base_model {args.base_model!r}: its config.json cannot be read ({e})") from None
     check_supported(config)  # UnsupportedModel, naming the model type
+    return config
 
 
-def adapter_problems(args: AppArgs) -> list[str]:
+def adapter_problems(args: AppArgs, base_config: PretrainedConfig) -> list[str]:
     """Why each local adapter the app starts with would be refused."""
     local_roots = [root for root in args.adapter_roots if not is_remote(root)]
     missing = [root for root in local_roots if not Path(root).expanduser().is_dir()]
     if missing:
         return [f"adapter_roots: {root!r}: no such directory" for root in missing]
-    if args.build_demo and args.base_model == str(DEMO_DIR / "base") or not local_roots:
-        return []  # the demo's adapters are built with it; remote ones are read by the replicas
+    if not local_roots:
+        return []  # remote adapters are read by the replicas
     if args.adapters == "discover":
         adapters = {}
         for root in reversed(local_roots):  # the first root's wins, as when the app starts
@@ -102,8 +102,7 @@ def adapter_problems(args: AppArgs) -> list[str]:
         only_local = len(local_roots) == len(args.adapter_roots)
         adapters = {name: path for name, path in args.adapters.items()
                     if not is_remote(path) and (only_local or Path(path).is_absolute())}
-    registry = AdapterRegistry(local_roots, AutoConfig.from_pretrained(args.base_model, local_files_only=True),
-                               args.max_rank, args.max_adapter_bytes, args.target_modules)
+    registry = AdapterRegistry(local_roots, base_config, args.max_rank, args.max_adapter_bytes, args.target_modules)
     problems = []
     for name, path in adapters.items():
         try:

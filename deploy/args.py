@@ -10,7 +10,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from app.adapters.format import CONFIG_NAME
-from app.adapters.remote import RemoteStore, is_remote
+from app.adapters.remote import RemoteStore
+from app.adapters.uris import is_remote
 from app.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from transformers import AutoConfig, PretrainedConfig
 
 from app.adapters.registry import AdapterRegistry
-from app.adapters.remote import is_remote
+from app.adapters.uris import is_remote
 from app.errors import ServingError
 from app.model.architectures import UnsupportedModel, check_supported
 from deploy.args import AppArgs, discover_local

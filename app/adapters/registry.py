@@ -29,7 +29,8 @@ from app.adapters.format import (
     short_name,
 )
 from app.adapters.node_cache import NodeCache
-from app.adapters.remote import RemoteObject, RemoteStore, is_remote
+from app.adapters.remote import RemoteObject, RemoteStore
+from app.adapters.uris import is_remote
 from app.adapters.safetensors_file import WEIGHTS_NAME, AdapterHeader, check_finite_on_disk, read_header
 from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adapter
 from app.adapters.targets import TARGET_NAMES, target_names, target_shapes

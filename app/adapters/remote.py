@@ -5,8 +5,8 @@ fsspec's HTTPFileSystem); nothing here speaks a protocol itself but one ranged H
 Credentials and endpoints come from the environment and the usual config files (AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN, HF_ENDPOINT, ...), never from a request: a URI that
 carries credentials, a query or a fragment is refused. A URI is served only under one of the configured remote
-roots, judged on its normalized form, and an HTTP redirect is followed only to a target under them too, so the
-server cannot be made to fetch arbitrary URLs. A ranged read holds no more than its range, even from a server
+roots, judged on its normalized form, and an HTTP redirect is followed only to a target under them too
+(app/adapters/uris.py). A ranged read holds no more than its range, even from a server
 that ignores Range.
 """
 
@@ -30,6 +30,7 @@ from fsspec.asyn import sync
 
 from app.adapters import part_process
 from app.adapters.part_digests import PartDigests, part_digest
+from app.adapters.uris import check_redirect, is_under, normalize_uri
 from app.adapters.urgent_pool import UrgentFirstPool
 from app.errors import (
     AdapterFormatError,
@@ -41,64 +42,9 @@ from app.errors import (
 )
 
 log = logging.getLogger(__name__)
-REMOTE_SCHEMES = ("s3", "gs", "hf", "http", "https")
-_SCHEME_ALIASES = {"gcs": "gs", "s3a": "s3"}
-_URI_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.DOTALL)
-_FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\?#]")  # control characters, spaces, backslashes, queries, fragments
 PART_BYTES = 16 * 1024 * 1024  # one ranged GET of a large file; parts of one file are fetched at once
 _S3_CONNECTIONS = 96
-MAX_REDIRECTS = 5  # hops one HTTP request may take, each to a target under the adapter roots
 _STREAM_CHUNK = 1024 * 1024  # what an HTTP read takes from its connection at once
-
-
-def is_remote(path: str | Path) -> bool:
-    """Whether `path` names a remote adapter (a URI with a scheme other than file://)."""
-    match = _URI_RE.match(str(path))
-    return match is not None and match["scheme"].lower() != "file"
-
-
-def normalize_uri(uri: str) -> str:
-    """The URI in the one form that containment is judged on, or ValueError saying what is wrong with it.
-
-    Lower-case scheme (gcs:// and s3a:// as gs:// and s3://), no trailing slash; refused: an unknown scheme,
-    credentials (user@host), a query or fragment, '.' / '..' / empty segments, backslashes, control characters,
-    and in http(s) URIs any '%' (a percent-encoded '..' or '/' would pass the check here and be decoded by the
-    server)."""
-    match = _URI_RE.fullmatch(uri)
-    if match is None:
-        raise ValueError(f"{uri!r} is not a URI")
-    scheme = _SCHEME_ALIASES.get(match["scheme"].lower(), match["scheme"].lower())
-    if scheme not in REMOTE_SCHEMES:
-        raise ValueError(f"{uri!r}: scheme {scheme!r} is not served; use one of {', '.join(REMOTE_SCHEMES)}")
-    rest = match["rest"].rstrip("/")
-    if _FORBIDDEN.search(rest):
-        raise ValueError(f"{uri!r}: spaces, control characters, backslashes, queries and fragments are refused")
-    segments = rest.split("/")
-    if "@" in segments[0] or (":" in segments[0] and scheme not in ("http", "https")):
-        raise ValueError(f"{uri!r}: credentials in a URI are refused; they come from the environment")
-    if scheme in ("http", "https") and "%" in rest:
-        raise ValueError(f"{uri!r}: percent-encoding is refused in http(s) adapter URIs")
-    if any(s in ("", ".", "..") for s in segments):
-        raise ValueError(f"{uri!r}: empty, '.' and '..' path segments are refused")
-    host = segments[0].lower() if scheme in ("http", "https") else segments[0]
-    return f"{scheme}://{'/'.join([host, *segments[1:]])}"
-
-
-def _containment_form(uri: str) -> str:
-    # hf://org/repo@revision/... lies under the root hf://org/repo: the revision is not a folder.
-    if uri.startswith("hf://"):
-        segments = uri[len("hf://"):].split("/")
-        repo_at = 2 if segments[0] in ("datasets", "spaces", "models") else 1
-        if len(segments) > repo_at:
-            segments[repo_at] = segments[repo_at].split("@", 1)[0]
-        return "hf://" + "/".join(segments)
-    return uri
-
-
-def _is_under(uri: str, root: str) -> bool:
-    if _containment_form(root) == root:  # a root that names a Hub revision admits that revision only
-        uri = _containment_form(uri)
-    return uri == root or uri.startswith(root + "/")
 
 
 @dataclass(frozen=True)
@@ -164,7 +110,7 @@ class RemoteStore:
             normalized = normalize_uri(uri)
         except ValueError as e:
             raise AdapterFormatError(f"adapter '{adapter_id}': {e}") from e
-        if not any(_is_under(normalized, root) for root in self.roots):
+        if not any(is_under(normalized, root) for root in self.roots):
             raise AdapterPathOutsideRoots(
                 f"adapter '{adapter_id}': {normalized} is outside the adapter roots {list(self.roots)}")
         return normalized
@@ -399,19 +345,6 @@ def _redirect_guard(roots: tuple[str, ...]):
     guard = aiohttp.TraceConfig()
     guard.on_request_redirect.append(on_redirect)
     return guard
-
-
-def check_redirect(roots: Sequence[str], source: str, target: str, hops: int) -> None:
-    """AdapterPathOutsideRoots unless the redirect from `source` to `target`, the `hops`-th of one request, may be
-    followed: the roots hold for every URL a read goes to, not only for the one a client names."""
-    if hops > MAX_REDIRECTS:
-        raise AdapterPathOutsideRoots(f"{source}: more than {MAX_REDIRECTS} redirects")
-    try:
-        normalized = normalize_uri(target)
-    except ValueError:
-        normalized = None
-    if normalized is None or not any(_is_under(normalized, root) for root in roots):
-        raise AdapterPathOutsideRoots(f"{source}: redirect to {target} leaves the adapter roots {list(roots)}")
 
 
 class store_errors:

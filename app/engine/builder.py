@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from app.adapters.node_cache import NodeCache, default_directory
 from app.adapters.registry import AdapterRegistry
-from app.adapters.remote import is_remote
+from app.adapters.uris import is_remote
 from app.adapters.targets import target_shapes
 from app.engine.config import EngineConfig
 from app.engine.kv_blocks import BlockManager

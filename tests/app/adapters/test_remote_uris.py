@@ -9,7 +9,8 @@ import pytest
 
 from adapter_helpers import BASE
 from app.adapters.registry import AdapterRegistry
-from app.adapters.remote import RemoteObject, RemoteStore, describe, normalize_uri
+from app.adapters.remote import RemoteObject, RemoteStore, describe
+from app.adapters.uris import normalize_uri
 from app.errors import AdapterFormatError, AdapterPathOutsideRoots, AdapterStoreUnavailable
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
 
 
 class ServingError(Exception):
@@ -198,10 +197,10 @@ class AdapterCacheFull(AdapterLoadFailed):
     error_type = "server_error"
 
 
-def picklable(error: BaseException, otherwise: Callable[[str], ServingError] = InternalError) -> BaseException:
-    """`error` where it survives a pickle round trip (to another process), else `otherwise` of its type and text."""
+def picklable(error: BaseException) -> BaseException:
+    """`error` where it survives a pickle round trip (to another process), else InternalError of its type and text."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001 - any failure to pickle means the same: send its text instead
-        return otherwise(f"{type(error).__name__}: {error}")
+        return InternalError(f"{type(error).__name__}: {error}")

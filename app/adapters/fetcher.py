@@ -11,10 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,16 +33,15 @@ ValidateFiles = Callable[[str, Path, Path, Path], AdapterSpec]
 
 class RemoteFetcher:
     """Reads remote adapters through `cache` (None: the ingress's validator, which never reads weights) and
-    fetches them ahead on `workers` threads, and `workers` more for requests already at the replica. Thread-safe:
-    loads read on worker threads, the engine thread asks `is_cached` and calls `fetch_ahead` at every step."""
+    fetches them ahead, each fetch on a thread of its own: up to `workers` at once for requests still in the
+    router, and every one for requests already at the replica. Thread-safe: loads read on worker threads, the
+    engine thread asks `is_cached` and calls `fetch_ahead` at every step."""
 
     def __init__(self, store: RemoteStore, cache: NodeCache | None, workers: int, validate_files: ValidateFiles):
         self.store, self.cache, self._validate_files = store, cache, validate_files
+        self.workers = workers
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch")
-        self._urgent_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-fetch-urgent")
-        self._fetching: set[CacheKey] = set()  # fetches ahead under way
-        self._urgent: set[CacheKey] = set()  # fetches under way for requests at this replica
+        self._fetching: set[CacheKey] = set()  # fetches under way
         self._failed_at: dict[CacheKey, float] = {}  # fetches that failed -> when (time.monotonic())
         self._on_node: set[CacheKey] = set()  # copies this replica has seen on the node (see _held)
         # (URI, registered version) -> a newer version of its files, fetched and validated since
@@ -52,9 +49,7 @@ class RemoteFetcher:
         self._ahead = {"fetched_ahead": 0, "fetched_ahead_bytes": 0, "fetched_ahead_used": 0,
                        "fetched_ahead_used_bytes": 0}
         self._unused_ahead: dict[CacheKey, int] = {}  # fetched ahead, not read since: key -> bytes
-        self._reads_waiting: Counter[str] = Counter()  # URI -> reads under way: its download's parts go first
-        if cache is not None:
-            store.prepare_downloads()
+        self._closed = False
 
     def read(self, spec: AdapterSpec, check_finite: bool = False) -> StoredAdapter:
         """The adapter's file from the node cache, fetched first where the node does not hold it. A request
@@ -62,7 +57,7 @@ class RemoteFetcher:
         connections ahead of other fetches ahead. A copy that passed the cache's check yet fails to load holds
         the store's bytes: it is dropped, so that the next read downloads it again."""
         uri = str(spec.path)
-        with self._waited_for(uri):
+        with self.store.parts.waited_for(uri):
             with self._fetched(spec) as (local, fresh):
                 key = self._cache_key(spec)
                 with self._lock:
@@ -81,25 +76,28 @@ class RemoteFetcher:
     def fetch_ahead(self, specs: Sequence[AdapterSpec], urgent: Collection[str] = ()) -> int:
         """Start fetching `specs` (remote ones, nearest need first) into the node cache, only while those named so
         far fit in half the cache: a fetch for a request far back must not evict an adapter that a nearer one
-        needs. `urgent`: the adapter ids of requests already at this replica; their fetches have a pool of their
-        own, never queued behind fetches ahead, and their ranges go first, as a read's do (a fetch ahead of the
-        same adapter under way already is joined, and its ranges go first from then on). Returns how many
-        fetches started. Never blocks and never raises: a failed fetch is logged, and the request that needs the
-        adapter meets the fault when its own read repeats it."""
+        needs. `urgent`: the adapter ids of requests already at this replica, which wait for their adapters:
+        their fetches always start, and their ranges go first, as a read's do (a fetch under way already of such
+        an adapter has its ranges go first from then on). The others start while fewer than `workers` fetches
+        run; the engine calls this at every step, so the rest start, nearest first, as fetches end. Returns how
+        many fetches started. Never blocks and never raises: a failed fetch is logged, and the request that
+        needs the adapter meets the fault when its own read repeats it."""
         if self.cache is None:
             return 0
+        self.store.parts.set_queued({str(spec.path) for spec in specs if spec.adapter_id in urgent})
         room, started = self.cache.budget_bytes // 2, 0
         for spec in specs:
             room -= spec.nbytes
             if room < 0:
                 break
             key, is_urgent = self._cache_key(spec), spec.adapter_id in urgent
-            running = self._urgent if is_urgent else self._fetching
             with self._lock:
-                if key in running or key in self._urgent or self._held(key) or self._failed_lately(key):
+                if (self._closed or key in self._fetching or self._held(key) or self._failed_lately(key)
+                        or (not is_urgent and len(self._fetching) >= self.workers)):
                     continue
-                running.add(key)
-            (self._urgent_pool if is_urgent else self._pool).submit(self._fetch_one, spec, key, is_urgent)
+                self._fetching.add(key)
+            threading.Thread(target=self._fetch_one, args=(spec, key, is_urgent), name="adapter-fetch",
+                             daemon=True).start()
             started += 1
         return started
 
@@ -107,7 +105,7 @@ class RemoteFetcher:
         """Whether a fetch of the adapter (ahead, or for a request here) is under way."""
         key = self._cache_key(spec)
         with self._lock:
-            return key in self._fetching or key in self._urgent
+            return key in self._fetching
 
     def is_cached(self, spec: AdapterSpec) -> bool:
         """Whether the node holds the adapter's files."""
@@ -116,12 +114,13 @@ class RemoteFetcher:
     def snapshot(self) -> dict:
         """The node cache's counters and this replica's fetches ahead: started, and used by a read since."""
         with self._lock:
-            ahead, running = dict(self._ahead), len(self._fetching) + len(self._urgent)
+            ahead, running = dict(self._ahead), len(self._fetching)
         return {**self.cache.snapshot(), **ahead, "fetches_running": running}
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._urgent_pool.shutdown(wait=False, cancel_futures=True)
+        """No fetch starts from now on; those under way end as the store's pool cancels their parts."""
+        with self._lock:
+            self._closed = True
 
     def _fetch_one(self, spec: AdapterSpec, key: CacheKey, is_urgent: bool) -> None:
         def downloaded(nbytes: int) -> None:  # before the entry is visible: no read can come first
@@ -130,9 +129,8 @@ class RemoteFetcher:
                 self._ahead["fetched_ahead_bytes"] += nbytes
                 self._unused_ahead[key] = nbytes
 
-        uri = str(spec.path)
         try:
-            with self._waited_for(uri) if is_urgent else nullcontext(), self._fetched(spec, downloaded):
+            with self._fetched(spec, downloaded):
                 pass
         except Exception as e:  # noqa: BLE001 - logged here; the request's own read raises it to its client
             log.warning("fetching adapter %r %s failed: %s", spec.adapter_id,
@@ -141,7 +139,7 @@ class RemoteFetcher:
                 self._failed_at[key] = time.monotonic()
         finally:
             with self._lock:
-                (self._urgent if is_urgent else self._fetching).discard(key)
+                self._fetching.discard(key)
 
     def _failed_lately(self, key: CacheKey) -> bool:
         """Whether a fetch of `key` failed less than FAILED_FETCH_PAUSE_S ago: no fetch ahead asks the store for it
@@ -153,19 +151,6 @@ class RemoteFetcher:
             return True
         del self._failed_at[key]
         return False
-
-    @contextmanager
-    def _waited_for(self, uri: str) -> Iterator[None]:
-        """A request waits for `uri`'s bytes for the block: its download's ranges go first (see _entry)."""
-        with self._lock:
-            self._reads_waiting[uri] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._reads_waiting[uri] -= 1
-                if not self._reads_waiting[uri]:
-                    del self._reads_waiting[uri]
 
     def _held(self, key: CacheKey) -> bool:
         """Whether the node holds `key`'s copy: known here once this replica has used or fetched it (no file-system
@@ -226,8 +211,7 @@ class RemoteFetcher:
         def fill(folder: Path) -> dict[str, PartDigests]:
             nonlocal fresh
             digests = self.store.download_all(
-                [(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)],
-                is_urgent=lambda: uri in self._reads_waiting)  # one dict lookup: no lock
+                [(files.config, folder / CONFIG_NAME), (files.weights, folder / WEIGHTS_NAME)], key=uri)
             if changed:  # before the rename makes it visible to anyone
                 try:
                     now = self._validate_files(spec.adapter_id, folder, folder / WEIGHTS_NAME, folder / CONFIG_NAME)

@@ -1,6 +1,6 @@
 """A file's digest as one SHA-256 per part, the node cache's record of what it downloaded.
 
-A download fetches a file in ranged parts, in any order and in a helper process, so no single running hash
+A download fetches a file in ranged parts, in any order and on several threads, so no single running hash
 sees its bytes in order; each part is hashed as it arrives instead, and the file's digest is recorded without
 reading it again. Checking a file against its digests reads it once.
 """
@@ -13,8 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def part_hasher():
+    """The running hash of one part, fed its bytes as they arrive."""
+    return hashlib.sha256()
+
+
 def part_digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    hasher = part_hasher()
+    hasher.update(data)
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,34 @@
 """Adapters kept where users keep them: object stores (s3://, gs://), the Hugging Face Hub (hf://) and HTTP servers.
 
-Every protocol goes through fsspec and its maintained filesystems (s3fs, gcsfs, huggingface_hub's HfFileSystem,
-fsspec's HTTPFileSystem); nothing here speaks a protocol itself but one ranged HTTP GET (`_http_range`).
-Credentials and endpoints come from the environment and the usual config files (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN, HF_ENDPOINT, ...), never from a request: a URI that
-carries credentials, a query or a fragment is refused. A URI is served only under one of the configured remote
-roots, judged on its normalized form, and an HTTP redirect is followed only to a target under them too
-(app/adapters/uris.py). A ranged read holds no more than its range, even from a server
-that ignores Range.
+Sizes, versions and listings come through fsspec and its maintained filesystems (s3fs, gcsfs, huggingface_hub's
+HfFileSystem, fsspec's HTTPFileSystem); ranged reads through obstore for s3:// and gs://, through urllib3 for
+http(s):// and through HfFileSystem for hf:// (app/adapters/ranged_reads.py). Credentials and endpoints come from
+the environment and the usual config files (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS,
+HF_TOKEN, HF_ENDPOINT, ...), never from a request: a URI that carries credentials, a query or a fragment is
+refused. A URI is served only under one of the configured remote roots, judged on its normalized form, and an
+HTTP redirect is followed only to a target under them too (app/adapters/uris.py). A ranged read holds no more
+than its range, even from a server that ignores Range.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import functools
 import hashlib
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
-from fsspec.asyn import sync
 
-from app.adapters import part_process
-from app.adapters.part_digests import PartDigests, part_digest
-from app.adapters.uris import check_redirect, is_under, normalize_uri
-from app.adapters.urgent_pool import UrgentFirstPool
+from app.adapters.part_digests import PartDigests, part_hasher
+from app.adapters.part_pool import PartPool
+from app.adapters.ranged_reads import OBJECT_STORE_SCHEMES, HTTPRanges, ObjectStores, redirect_guard
+from app.adapters.uris import is_under, normalize_uri
 from app.errors import (
     AdapterFormatError,
     AdapterPathOutsideRoots,
@@ -43,8 +40,7 @@ from app.errors import (
 
 log = logging.getLogger(__name__)
 PART_BYTES = 16 * 1024 * 1024  # one ranged GET of a large file; parts of one file are fetched at once
-_S3_CONNECTIONS = 96
-_STREAM_CHUNK = 1024 * 1024  # what an HTTP read takes from its connection at once
+_CONNECTIONS = 96  # per host: more than the reads that registrations and downloads run at once
 
 
 @dataclass(frozen=True)
@@ -93,16 +89,18 @@ class ObjectChanged(AdapterStoreUnavailable):
 
 
 class RemoteStore:
-    """The remote adapter roots, and reads under them through fsspec (filesystems made once per protocol and
-    host, so connections are reused)."""
+    """The remote adapter roots, and reads under them: fsspec's filesystems (made once per protocol and host),
+    obstore's clients (once per bucket) and urllib3's pools (once per host), so connections are reused.
+    Downloads' parts run on `parts`, `workers` at once, those of adapters that requests wait for first."""
 
-    def __init__(self, roots: Sequence[str], timeout_s: float = 60.0, workers: int = 8, part_process: bool = True):
+    def __init__(self, roots: Sequence[str], timeout_s: float = 60.0, workers: int = 8):
         self.roots = tuple(normalize_uri(root) for root in roots)
-        self.timeout_s, self.workers = timeout_s, workers
-        self.part_process = part_process  # downloads' ranged GETs in a helper process (part_process.py)
+        self.timeout_s = timeout_s
         self._filesystems: dict[str, fsspec.AbstractFileSystem] = {}
         self._lock = threading.Lock()
-        self._parts = UrgentFirstPool(workers, "adapter-fetch-part")
+        self._objects = ObjectStores(timeout_s)
+        self._http = HTTPRanges(self.roots, timeout_s, _CONNECTIONS)
+        self.parts = PartPool(workers, "adapter-fetch-part")
 
     def resolve(self, adapter_id: str, uri: str) -> str:
         """The normalized URI, if it lies under a remote root; AdapterPathOutsideRoots otherwise."""
@@ -135,12 +133,12 @@ class RemoteStore:
         if scheme == "s3":
             # botocore's pool holds 10 connections: fewer than the reads that registrations and downloads run at once
             return {"config_kwargs": {"connect_timeout": min(10.0, self.timeout_s), "read_timeout": self.timeout_s,
-                                      "retries": {"max_attempts": 2}, "max_pool_connections": _S3_CONNECTIONS}}
+                                      "retries": {"max_attempts": 2}, "max_pool_connections": _CONNECTIONS}}
         if scheme in ("http", "https"):
             import aiohttp
 
             return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=self.timeout_s, connect=10),
-                                      "trace_configs": [_redirect_guard(self.roots)]}}
+                                      "trace_configs": [redirect_guard(self.roots)]}}
         if scheme == "gs":
             return {"timeout": self.timeout_s}
         return {}
@@ -152,9 +150,8 @@ class RemoteStore:
             return describe(uri, fs.info(path))
 
     def read(self, uri: str, start: int, end: int) -> bytes:
-        fs, path = self.filesystem(uri)
         with store_errors(uri):
-            return _cat_range(fs, path, start, end)
+            return b"".join(self._chunks(uri, start, end))
 
     def names(self, uri: str) -> list[str]:
         """The names right under the folder `uri`; [] where there is no such folder."""
@@ -180,24 +177,17 @@ class RemoteStore:
             out.setdefault(uri.rsplit("/", 1)[-1], uri)
         return out
 
-    def prepare_downloads(self) -> None:
-        """Start the helper process that downloads' ranges go through, and have it make its clients for the
-        remote roots, so that the first download waits for neither (about a second of imports, and up to a second
-        for an S3 client); returns at once."""
-        if self.part_process:
-            part_process.helper().prepare(self.roots, self.timeout_s)
-
     def download(self, obj: RemoteObject, dest: Path) -> None:
         self.download_all([(obj, dest)])
 
-    def download_all(self, files: Sequence[tuple[RemoteObject, Path]],
-                     is_urgent: Callable[[], bool] = lambda: True) -> dict[Path, PartDigests]:
+    def download_all(self, files: Sequence[tuple[RemoteObject, Path]], key: str | None = None
+                     ) -> dict[Path, PartDigests]:
         """Write each object to its path, the PART_BYTES ranges of all of them fetched at once (so that one
         first-byte delay covers them all), then check each one's size and, where the store gives one, its
         checksum. The bytes are checked against the object as described, with no request to the store first:
         ObjectChanged where they are another version's. The caller owns the paths (temporary names it renames
-        once this returns). Parts go ahead of those of other downloads while `is_urgent()` holds and theirs
-        does not: a fetch ahead yields the connections to one that a request waits for. Returns each path's
+        once this returns). The parts are queued on `parts` under `key` (the adapter's URI; each object's own
+        URI where None): they go ahead of other downloads' while a request waits for `key`. Returns each path's
         digests, hashed from the parts as they arrived."""
         part_bytes = PART_BYTES
         for obj, dest in files:
@@ -205,7 +195,7 @@ class RemoteStore:
                 f.truncate(obj.size)
         parts = [(obj, dest, start, min(start + part_bytes, obj.size))
                  for obj, dest in files for start in range(0, obj.size, part_bytes)]
-        futures = [self._parts.submit(is_urgent, self._write_part, *part) for part in parts]
+        futures = [self.parts.submit(key or part[0].uri, self._write_part, *part) for part in parts]
         try:
             dest_to_digests: dict[Path, list[str]] = {dest: [] for _, dest in files}
             for (_, dest, _, _), future in zip(parts, futures):
@@ -224,9 +214,48 @@ class RemoteStore:
         return {dest: PartDigests(obj.size, part_bytes, tuple(dest_to_digests[dest])) for obj, dest in files}
 
     def _write_part(self, obj: RemoteObject, dest: Path, start: int, end: int) -> str:
-        if self.part_process:
-            return part_process.helper().fetch(obj, dest, start, end, self.roots, self.timeout_s)
-        return write_part(self, obj, dest, start, end)
+        """Fetch bytes [start, end) of `obj` and write them into `dest` (already at its full size) at `start`,
+        chunk by chunk as they arrive; their digest. ObjectChanged where the store holds fewer bytes than `obj`
+        says, as another version would. Hashing and writing let go of the GIL, as obstore's reads do, and no
+        chunk outlives its write: the process never allocates or frees a whole part at once."""
+        hasher, at = part_hasher(), start
+        fd = os.open(dest, os.O_WRONLY)
+        try:
+            with store_errors(obj.uri):
+                chunks = self._chunks(obj.uri, start, end)
+            while True:
+                with store_errors(obj.uri):
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    break
+                view = memoryview(chunk)[:end - at]  # a store that sent more than the range: the rest dropped
+                hasher.update(view)
+                while view:
+                    written = os.pwrite(fd, view, at)
+                    view, at = view[written:], at + written
+        except AdapterStoreUnavailable as e:
+            if any(_is_past_end(error) for error in _chain(e.__cause__)):
+                raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)") from e
+            raise
+        finally:
+            os.close(fd)
+        if at != end:
+            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {at - start} bytes (did it change?)")
+        return hasher.hexdigest()
+
+    def _chunks(self, uri: str, start: int, end: int) -> Iterator:
+        """Bytes [start, end) of `uri` (fewer where it ends sooner), as bytes-like chunks; the store's errors
+        unmapped, raised when the chunk that meets them is asked for."""
+        if start >= end:
+            return iter(())
+        scheme = uri.split("://", 1)[0]
+        if scheme in OBJECT_STORE_SCHEMES:
+            return self._objects.chunks(uri, start, end)
+        if scheme in ("http", "https"):
+            return self._http.chunks(uri, start, end)
+        fs, path = self.filesystem(uri)
+        data = fs.cat_file(path, start=start, end=end)
+        return iter((data[start:end] if len(data) > end - start else data,))  # a store that ignored Range
 
     def _check(self, obj: RemoteObject, dest: Path) -> None:
         if os.stat(dest).st_size != obj.size:
@@ -258,93 +287,7 @@ class RemoteStore:
         raise ObjectChanged(f"{obj.uri} changed between reads: {change}", current=current)
 
     def shutdown(self) -> None:
-        self._parts.shutdown()
-
-
-def write_part(store: RemoteStore, obj: RemoteObject, dest: Path, start: int, end: int) -> str:
-    """Fetch bytes [start, end) of `obj` and write them into `dest` (already at its full size) at `start`; their
-    digest. ObjectChanged where the store holds fewer bytes than `obj` says, as another version would."""
-    fs, path = store.filesystem(obj.uri)
-    try:
-        with store_errors(obj.uri):
-            data = _cat_range(fs, path, start, end)
-    except AdapterStoreUnavailable as e:
-        if any(_is_past_end(error) for error in _chain(e.__cause__)):
-            raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} lie past its end (did it change?)") from e
-        raise
-    if len(data) != end - start:
-        raise ObjectChanged(f"{obj.uri}: bytes {start}-{end} came back as {len(data)} bytes (did it change?)")
-    fd = os.open(dest, os.O_WRONLY)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.pwrite(fd, view, end - len(view)):]
-    finally:
-        os.close(fd)
-    return part_digest(data)
-
-
-def _cat_range(fs, path: str, start: int, end: int) -> bytes:
-    if start >= end:
-        return b""
-    if path.startswith(("http://", "https://")):
-        return sync(fs.loop, _http_range, fs, path, start, end)
-    data = fs.cat_file(path, start=start, end=end)
-    return data[start:end] if len(data) > end - start else data  # a store that ignored Range: the whole object
-
-
-async def _http_range(fs, url: str, start: int, end: int) -> bytearray:
-    """Bytes [start, end) of `url`, holding no more than those. Written here, on fsspec's session (its
-    connections, timeout and redirect guard), because fsspec's HTTP cat_file reads the whole body: a server that
-    ignores Range (python -m http.server) answers 200 with the whole object. Its bytes before `start` are
-    dropped as they arrive and those after `end` are never read (leaving the block closes the connection), which
-    keeps such servers usable at the price of the bytes skipped."""
-    import aiohttp
-
-    session = await fs.set_session()
-    headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-    async with session.get(fs.encode_url(url), headers=headers) as r:
-        r.raise_for_status()
-        skip = 0 if r.status == 206 else start
-        if r.status == 206 and not r.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
-            raise AdapterStoreUnavailable(f"{url}: the store answered another range than bytes {start}-{end - 1}")
-        data, received = bytearray(), 0
-        try:
-            while received < skip + end - start:
-                # While skipping, never past `start`: every chunk after it lies in the range.
-                until = skip if received < skip else skip + end - start
-                chunk = await r.content.read(min(_STREAM_CHUNK, until - received))
-                if not chunk:
-                    break
-                received += len(chunk)
-                if received > skip:
-                    data += chunk
-        except (aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
-            if r.content_length is None or received >= r.content_length:
-                raise
-            how = ("closed the connection" if isinstance(e, aiohttp.ClientPayloadError)
-                   else "sent nothing more before the timeout")
-            raise AdapterStoreUnavailable(f"{url}: the store sent fewer bytes than it announced ({received} of the "
-                                          f"{r.content_length} in its Content-Length) and {how}") from e
-    return data
-
-
-@functools.cache
-def _redirect_guard(roots: tuple[str, ...]):
-    """An aiohttp trace that refuses each redirect before it is followed, unless its target lies under `roots`
-    (check_redirect), for every request of the client it is given to: fsspec's stats and listings, and the
-    ranged GETs here. One per set of roots, so that fsspec still shares a filesystem between like stores."""
-    import aiohttp
-    from yarl import URL
-
-    async def on_redirect(session, context, params) -> None:
-        context.hops = getattr(context, "hops", 0) + 1
-        location = params.response.headers.get("Location") or params.response.headers.get("URI") or ""
-        check_redirect(roots, str(params.url), str(params.url.join(URL(location))), context.hops)
-
-    guard = aiohttp.TraceConfig()
-    guard.on_request_redirect.append(on_redirect)
-    return guard
+        self.parts.shutdown()
 
 
 class store_errors:
@@ -380,7 +323,7 @@ class store_errors:
 
 
 _DENIED = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-           "GatedRepoError", "InvalidCredentials"}
+           "GatedRepoError", "InvalidCredentials", "PermissionDeniedError", "UnauthenticatedError"}
 _DENIED_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "401 Unauthorized", "403 Forbidden")
 
 
@@ -391,8 +334,11 @@ def _is_missing(error: BaseException) -> bool:
 
 
 def _is_past_end(error: BaseException) -> bool:
-    """A range the object no longer reaches: HTTP 416, which s3fs passes on as InvalidRange."""
-    return getattr(error, "status", None) == 416 or "InvalidRange" in str(error) or "not satisfiable" in str(error)
+    """A range the object no longer reaches: HTTP 416, which s3fs passes on as InvalidRange and obstore in its
+    message."""
+    text = str(error)
+    return (getattr(error, "status", None) == 416 or "InvalidRange" in text or "status code: 416" in text
+            or "not satisfiable" in text)
 
 
 def _chain(error: BaseException):
@@ -405,4 +351,8 @@ def _chain(error: BaseException):
 
 def _brief(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = _STORE_BODY.sub(r"\1", text)  # obstore's message goes on with the store's answer: not quoted
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
+_STORE_BODY = re.compile(r"(status code: \d{3}[^:]*):.*")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bash bench/device/store_wheels.sh OUT [PYVER]: run here (it downloads from the package registry), then carry OUT
-# with serve_remote.sh as its STORE_WHEELS (e.g. demo/whl-store, 8 MB). The wheels that bench/serve/store.py and the
+# with serve_remote.sh as its STORE_WHEELS (e.g. demo/whl-store, 14 MB). The wheels that bench/serve/store.py and the
 # app's s3:// roots need beyond the GPU image (Python PYVER, default 3.12):
-# s3fs and its fsspec, aiobotocore, botocore and boto3 (their service data cut to the S3 server's), moto's S3
-# server (its other services cut) with flask, and cryptography (moto imports it on every request).
+# s3fs and its fsspec, aiobotocore, botocore and boto3 (their service data cut to the S3 server's), obstore (the
+# app's ranged reads), moto's S3 server (its other services cut) with flask, and cryptography (moto imports it on
+# every request).
 set -euo pipefail
 out=$1; py=${2:-3.12}
 mkdir -p "$out"
@@ -16,7 +17,7 @@ dl() {
 dl s3fs==2026.9.0 fsspec==2026.9.0 aiobotocore==3.10.0 aioitertools==0.13.0 wrapt==2.5.2 jmespath==1.1.0 \
    python-dateutil==2.9.0.post0 six==1.17.0 botocore==1.43.117 boto3==1.43.117 s3transfer==0.19.3 \
    moto==5.2.5 flask==3.1.3 flask-cors==6.0.5 werkzeug==3.1.9 itsdangerous==2.2.0 blinker==1.9.0 click==8.5.1 \
-   xmltodict==1.0.4 responses==0.26.3 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+   xmltodict==1.0.4 responses==0.26.3 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 obstore==0.12.1
 # botocore's data for 430 services is 15 of its 17 MB, moto's other services 6 of its 7: keep what S3 needs.
 cut() {  # cut WHEEL KEEP_REGEX: drop the files of the wheel's top-level package under PREFIX that KEEP_REGEX misses
   local whl=$1 prefix=$2 keep=$3 tmp; tmp=$(mktemp -d)

@@ -4,7 +4,7 @@
 # per connection; the waited-for download taking the connections first, in order, and alone. Needs the host only
 # (no GPU), and the store's wheels:
 #
-#   STORE_WHEELS=demo/whl-store bash bench/device/urgent_fetch.sh     # carry demo/whl-store; ~2 minutes
+#   WHEELS= STORE_WHEELS=demo/whl-store bash bench/device/urgent_fetch.sh     # carry demo/whl-store; ~2 minutes
 #
 # Result: bench/results/<slug>-urgent-fetch.json, copied to $OUT.
 source bench/device/setup.sh

@@ -1,14 +1,14 @@
 """What downloads from a remote store cost a replica's engine loop when they run in its process.
 
 A replica's engine steps on a thread: some Python to schedule and launch the step, then a wait on the GPU
-(which frees the GIL). Fetches of remote adapters run on worker threads of the same process, and their HTTP
-reads are Python too (s3fs, aiohttp). This times a stand-in for the engine loop (`--step-python-ms` of Python,
-`--step-ops` torch calls, each of which lets go of the GIL and takes it back as a step's launches do, then
-`--step-wait-ms` asleep), under an engine process's GIL switch interval (`--switch-interval-s`), while
-`--downloads` adapters download at once from the emulated store (bench/serve/store.py) through the app's own
-RemoteStore.download: all in the loop's process; with their ranged GETs in the app's helper process (as a replica
-downloads), the waits and checks left in the loop's process; and all in a child process; in turn `--repeats`
-times, with an idle phase first:
+(which frees the GIL). Fetches of remote adapters run on worker threads of the same process: their ranged reads
+go through obstore for s3:// and urllib3 for http(s)://, both waiting and reading with the GIL released. This
+times a stand-in for the engine loop (`--step-python-ms` of Python, `--step-ops` torch calls, each of which lets
+go of the GIL and takes it back as a step's launches do, then `--step-wait-ms` asleep), under an engine
+process's GIL switch interval (`--switch-interval-s`), while `--downloads` adapters download at once from the
+emulated store (bench/serve/store.py) through the app's own RemoteStore.download: in the loop's process, as a
+replica downloads, and in a child process; in turn `--repeats` times, with an idle phase first. `--scheme http`
+reads the same objects from the same store as an http:// root (plain GETs of public-read objects):
 
     python -m bench.serve.fetch_contention                    # 8 downloads of 84 MB at once, 4 shards, 2 proxies
     bash bench/device/fetch_contention.sh                     # the same on the GPU machine's host
@@ -59,16 +59,16 @@ def loops_per_ms() -> int:
     return max(1, int(n / (1e3 * (time.perf_counter() - start))))
 
 
-def download(env: dict, uris: list[str], rounds: int, part_process: bool = False) -> tuple[float, int]:
-    """Each of `uris` `rounds` times, all at once on len(uris) threads: (seconds, bytes). part_process: their
-    ranged GETs in the app's helper process (app/adapters/part_process.py), as a replica runs them."""
+def download(env: dict, uris: list[str], rounds: int) -> tuple[float, int]:
+    """Each of `uris` `rounds` times, all at once on len(uris) threads, through the app's RemoteStore: (seconds,
+    bytes)."""
     with mock.patch.dict(os.environ, env):
         import s3fs
 
         from app.adapters.remote import RemoteStore
 
         s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
-        store = RemoteStore([uris[0].rsplit("/", 2)[0]], part_process=part_process)
+        store = RemoteStore([uris[0].rsplit("/", 2)[0]])
         scratch = Path(tempfile.mkdtemp(prefix="fetch-contention-"))
         try:
             objects = [store.stat(uri) for uri in uris] * rounds
@@ -124,6 +124,7 @@ def main(argv=None) -> Path:
                         help="the GIL's switch interval (an engine process's by default)")
     parser.add_argument("--step-ops", type=int, default=0,
                         help="torch calls per step besides the Python (each lets go of the GIL and takes it back)")
+    parser.add_argument("--scheme", choices=("s3", "http"), default="s3", help="how the app reads the store")
     add_store_arguments(parser)
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -137,14 +138,13 @@ def main(argv=None) -> Path:
         with EmulatedStore(config) as store, \
                 multiprocessing.get_context("spawn").Pool(1) as child:
             store.upload(folders, [f.name for f in folders])
-            uris, env = [f"{store.root}/{f.name}/{WEIGHTS_NAME}" for f in folders], store.env()
+            root = store.root if args.scheme == "s3" else store.http_root()
+            uris, env = [f"{root}/{f.name}/{WEIGHTS_NAME}" for f in folders], store.env()
             child.apply(download, (env, uris[:1], 1))  # the child's imports and connections, before timing
             download(env, uris[:1], 1)
-            download(env, uris[:1], 1, part_process=True)  # starts the helper
             phases.append({"phase": "idle", **timed_phase(lambda: time.sleep(args.idle_s), args, per_ms)})
             for _ in range(args.repeats):
                 for where, run in (("in the loop's process", lambda: download(env, uris, args.rounds)),
-                                   ("through the part helper", lambda: download(env, uris, args.rounds, True)),
                                    ("in a child process", lambda: child.apply(download, (env, uris, args.rounds)))):
                     phases.append({"phase": f"{args.downloads} downloads {where}", **timed_phase(run, args, per_ms)})
                     p = phases[-1]
@@ -155,9 +155,9 @@ def main(argv=None) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"idle: step p50/p90/p99 {phases[0]['step_ms_p50']:.2f} / {phases[0]['step_ms_p90']:.2f} / "
           f"{phases[0]['step_ms_p99']:.2f} ms")
-    path = write_result("fetch-contention", {"benchmark": "fetch-contention", "store": describe(config),
-                                             "cpus": os.cpu_count(), "args": {**vars(args), "results_dir": None},
-                                             "phases": phases}, args.results_dir)
+    name = "fetch-contention" if args.scheme == "s3" else f"fetch-contention-{args.scheme}"
+    path = write_result(name, {"benchmark": "fetch-contention", "store": describe(config), "cpus": os.cpu_count(),
+                               "args": {**vars(args), "results_dir": None}, "phases": phases}, args.results_dir)
     print(f"wrote {path}")
     return path
 

@@ -148,6 +148,11 @@ class EmulatedStore:
         """The store's processes: its moto shards and its proxies."""
         return [process.pid for process in [*self._moto, *self._proxies]]
 
+    def http_root(self) -> str:
+        """The root as an http:// URL through the proxies: the weights are uploaded public-read, so moto serves
+        them to plain GETs and HEADs."""
+        return f"http://127.0.0.1:{self.proxy_port}/{BUCKET}/{PREFIX}"
+
     def env(self) -> dict[str, str]:
         """What a client of the emulated store needs: the proxy's endpoint, dummy keys, a region."""
         return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy_port}", "AWS_ACCESS_KEY_ID": KEY,
@@ -192,7 +197,7 @@ class EmulatedStore:
             if not fs.exists(BUCKET):
                 fs.mkdir(BUCKET)
             if weights[0]:
-                fs.put(*weights, batch_size=UPLOADS_AT_ONCE)
+                fs.put(*weights, batch_size=UPLOADS_AT_ONCE, ACL="public-read")  # for http_root()
             if shard == 0 and puts[0]:
                 fs.put(*puts, batch_size=UPLOADS_AT_ONCE)
             if shard == 0 and copies[0]:
@@ -247,16 +252,12 @@ class EmulatedStore:
         """One object through the app's RemoteStore.download (its ranged parts at once), as a replica fetches."""
         import s3fs
 
-        from app.adapters import part_process
         from app.adapters.remote import RemoteStore
 
         with mock.patch.dict(os.environ, self.env()):
             s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches filesystems by arguments, not by environment
             store = RemoteStore([uri.rsplit("/", 1)[0]])
-            store.prepare_downloads()  # as a replica's registry does: the helper's start is not a download's
             try:
-                if not part_process.helper().wait_prepared(60):
-                    raise RuntimeError("the app's download helper process did not start in 60 s")
                 obj = store.stat(uri)
                 with tempfile.TemporaryDirectory() as scratch:
                     t = time.perf_counter()

@@ -1,10 +1,10 @@
 """How long a download that a request waits for takes while fetches ahead hold a replica's store connections.
 
 A replica's downloads share `adapter_fetch_workers` connections, and the ranges of a download that a request at the
-replica waits for go first (app/adapters/urgent_pool.py). This starts `--ahead` downloads at once through the app's
-RemoteStore as fetches ahead, waits `--after-s`, then starts one more download and times it: marked urgent, as a
-replica's read is, and unmarked, served in the order its ranges came, as every download was before. Each object is
-downloaded alone first, for the floor. The phases alternate `--repeats` times, each on objects not read before.
+replica waits for go first (app/adapters/part_pool.py). This starts `--ahead` downloads at once through the app's
+RemoteStore as fetches ahead, waits `--after-s`, then starts one more download and times it: waited for, as a
+replica's read is (urgent), and not, served in the order its ranges came (in order). Each object is downloaded
+alone first, for the floor. The phases alternate `--repeats` times, each on objects not read before.
 
     python -m bench.serve.urgent_fetch                      # 8 fetches ahead of 84 MB, 4 shards, 2 proxies
 """
@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -29,13 +30,13 @@ from bench.serve.store_proxy import WEIGHTS_NAME
 def waited_download_s(store, objects, scratch: Path, urgent: bool | None, after_s: float) -> float:
     """Seconds to download objects[-1] after objects[:-1] started downloading as fetches ahead `after_s` before
     (urgent None: objects[-1] alone)."""
-    ahead = [] if urgent is None else objects[:-1]
+    ahead, waited = ([] if urgent is None else objects[:-1]), objects[-1]
     with ThreadPoolExecutor(max(1, len(ahead))) as pool:
-        futures = [pool.submit(store.download_all, [(obj, scratch / f"ahead-{i}")], lambda: False)
-                   for i, obj in enumerate(ahead)]
+        futures = [pool.submit(store.download_all, [(obj, scratch / f"ahead-{i}")]) for i, obj in enumerate(ahead)]
         time.sleep(after_s if ahead else 0)
         start = time.perf_counter()
-        store.download_all([(objects[-1], scratch / "waited")], lambda: urgent is not False)
+        with store.parts.waited_for(waited.uri) if urgent is not False else nullcontext():
+            store.download_all([(waited, scratch / "waited")])
         took = time.perf_counter() - start
         for future in futures:
             future.result()

@@ -171,10 +171,20 @@ def test_fetch_contention_times_the_loop_in_every_phase(tmp_path):
                                   "--idle-s", "1", "--results-dir", str(tmp_path)])
     phases = json.loads(path.read_text())["phases"]
     assert [p["phase"] for p in phases] == ["idle", "2 downloads in the loop's process",
-                                            "2 downloads through the part helper", "2 downloads in a child process"]
+                                            "2 downloads in a child process"]
     assert all(p["steps"] > 0 and p["step_ms_p50"] >= 7.0 for p in phases)  # 2 ms of Python + 7 ms asleep, at least
     assert all(p["download_mb_per_s"] > 0 for p in phases[1:])
     assert all(p["gil_wait_ms"]["wakes"] > 0 and p["gil_wait_ms"]["mean"] >= 0 for p in phases)
+
+
+def test_fetch_contention_reads_the_store_as_an_http_root(tmp_path):
+    from bench.serve import fetch_contention
+
+    path = fetch_contention.main(["--downloads", "1", "--object-mb", "1", "--rounds", "1", "--repeats", "1",
+                                  "--shards", "1", "--proxies", "1", "--latency-ms", "10", "--idle-s", "0.5",
+                                  "--scheme", "http", "--results-dir", str(tmp_path)])
+    assert path.name.endswith("-fetch-contention-http.json")
+    assert all(p["download_mb_per_s"] > 0 for p in json.loads(path.read_text())["phases"][1:])
 
 
 def test_urgent_fetch_times_the_waited_download_each_way(tmp_path):

@@ -1,5 +1,5 @@
 """Fetches of remote adapters into the node cache ahead of their reads: nearest need first, within half the cache,
-and those of requests already at the replica never behind the others."""
+`fetch_workers` at once, and those of requests already at the replica never behind the others."""
 
 from __future__ import annotations
 
@@ -28,8 +28,13 @@ def test_fetch_ahead_nearest_first_within_half_the_cache(s3, registries, tmp_pat
     for name in "abcd":
         registry.register(name, s3.uri("adapters", name))
     assert registries([s3.uri("adapters")]).fetch_ahead(["a"]) == 0  # no node cache: nothing to fetch into
-    assert registry.fetch_ahead(["c", "here", "unknown", "a", "c", "d", "b"]) == 2
+    demand = ["c", "here", "unknown", "a", "c", "d", "b"]
+    assert registry.fetch_ahead(demand) == 1  # one worker: the nearest starts, the next once it ends
+    assert registry.is_fetching("c") and registry.fetch_ahead(demand) == 0
     wait_for_fetches(registry)
+    assert registry.fetch_ahead(demand) == 1 and registry.is_fetching("a")
+    wait_for_fetches(registry)
+    assert registry.fetch_ahead(demand) == 0  # d and b lie past half the cache
     assert [registry.on_node(name) for name in ("a", "b", "c", "d", "here")] == [True, False, True, False, True]
     snapshot = registry.node_snapshot()
     ahead = (snapshot["fetched_ahead"], snapshot["fetched_ahead_bytes"], snapshot["fetched_ahead_used"])
@@ -50,26 +55,30 @@ def test_fetches_for_requests_here_never_wait_behind_fetches_ahead(s3, registrie
     registry = registries([s3.uri("adapters")], cache=NodeCache(tmp_path / "cache", 1 << 24), fetch_workers=1)
     for name in "ab":
         registry.register(name, s3.uri("adapters", name))
-    arrived, urgency, download_all = threading.Event(), {}, registry.store.download_all
+    arrived, keys, download_all = threading.Event(), {}, registry.store.download_all
+    parts = registry.store.parts
 
-    def held_back(files, is_urgent):  # a's bytes take until `arrived` is set
+    def held_back(files, key):  # a's bytes take until `arrived` is set
         if any("/a/" in obj.uri for obj, _ in files):
-            urgency["a"] = is_urgent
+            keys["a"] = key
             assert arrived.wait(30)
-        return download_all(files, is_urgent=is_urgent)
+        return download_all(files, key=key)
 
     monkeypatch.setattr(registry.store, "download_all", held_back)
     try:
         assert registry.fetch_ahead(["a"]) == 1  # takes the one worker for fetches ahead
-        wait_for(lambda: "a" in urgency, 30, 0.01, "a's download started")
-        assert not urgency["a"]()
-        # b, for a request here, has workers of its own; a request here for a joins a's download, now urgent
-        assert registry.fetch_ahead(["b", "a"], urgent={"a", "b"}) == 2
+        wait_for(lambda: "a" in keys, 30, 0.01, "a's download started")
+        assert keys["a"] == s3.uri("adapters", "a") and not parts.is_waited_for(keys["a"])
+        assert registry.fetch_ahead(["b"]) == 0  # a fetch ahead waits for the worker
+        # b, for a request here, starts at once; a request here for a makes a's ranges go first
+        assert registry.fetch_ahead(["b", "a"], urgent={"a", "b"}) == 1
+        assert parts.is_waited_for(keys["a"]) and parts.is_waited_for(s3.uri("adapters", "b"))
         wait_for(lambda: registry.on_node("b"), 30, 0.01, "b on the node while the fetch ahead waits")
-        wait_for(lambda: urgency["a"](), 30, 0.01, "a's ranges going first")
         assert registry.is_fetching("a") and not registry.is_fetching("b") and not registry.on_node("a")
     finally:
         arrived.set()
     wait_for_fetches(registry)
     assert registry.on_node("a") and not registry.is_fetching("a")
     assert registry.node_snapshot()["downloads"] == 2  # a once, however many asked
+    registry.fetch_ahead([], urgent=set())  # no request queued here any more
+    assert not parts.is_waited_for(keys["a"])

@@ -24,6 +24,7 @@ from adapter_helpers import edit_config, edit_tensors, llama_config, make_adapte
 from app.adapters import fetcher, remote
 from app.adapters.node_cache import NodeCache
 from app.adapters.registry import CONFIG_NAME, WEIGHTS_NAME
+from app.adapters.remote import RemoteObject, RemoteStore
 from app.errors import (
     AdapterConfigMismatch,
     AdapterFormatError,
@@ -157,13 +158,17 @@ def test_s3_nan_is_found_when_the_weights_arrive(s3, registries, tmp_path):
     registry.read(spec)  # the engine's reads leave the check to the residency's bound check
 
 
-def test_s3_missing_sources_are_404(s3, registries):
+def test_s3_missing_sources_are_404(s3, registries, tmp_path):
     registry = registries([s3.uri("adapters"), "s3://no-such-bucket/adapters"])
     for uri in (s3.uri("adapters", "nope"), "s3://no-such-bucket/adapters/a"):
         with pytest.raises(AdapterSourceMissing) as error:
             registry.register("x", uri)
         assert error.value.status_code == 404
         assert error.value.message.startswith(f"adapter 'x': {uri}/") and "does not exist" in error.value.message
+        gone = RemoteObject(f"{uri}/{WEIGHTS_NAME}", 10, "etag:x/10", None)
+        with pytest.raises(AdapterSourceMissing) as error:  # a download of an object deleted since its stat
+            registry.store.download(gone, tmp_path / "gone")
+        assert error.value.status_code == 404 and gone.uri in error.value.message
     with pytest.raises(AdapterFormatError, match=r"no such directory 'nope' under \['s3://"):
         registry.register("x", "nope")  # a bare name that no root holds, as with local roots
 
@@ -175,12 +180,21 @@ def test_s3_refused_credentials_are_400(spare_moto, monkeypatch, registries, tmp
     make_adapter(tmp_path / "local" / "a", r=4)
     uri = bucket.put_folder(tmp_path / "local" / "a", "adapters/a")
     assert registries([bucket.uri("adapters")]).register("a", uri).rank == 4
+    weights = registries([bucket.uri("adapters")]).register("a", uri).remote.weights
     for key_id, secret in (("AKIAUNKNOWNKEY000000", "whatever"), (spare_moto.key_id, "not the secret")):
         spare_moto.use(monkeypatch, key_id, secret)
         with pytest.raises(AdapterSourceDenied) as error:
             registries([bucket.uri("adapters")]).register("a", uri)
         assert error.value.status_code == 400
         assert uri in error.value.message and "check the credentials" in error.value.message
+        store = RemoteStore([bucket.uri("adapters")])
+        try:  # a download's ranged reads (obstore's client) are refused alike
+            with pytest.raises(AdapterSourceDenied) as error:
+                store.download(weights, tmp_path / "weights")
+        finally:
+            store.shutdown()
+        assert error.value.status_code == 400 and weights.uri in error.value.message
+        assert "<" not in error.value.message  # the store's answer is not quoted
 
 
 def _count_stats(registry, monkeypatch) -> list[str]:
@@ -292,19 +306,22 @@ def test_s3_store_down_fails_only_uncached_adapters(spare_moto, monkeypatch, reg
 
 
 @pytest.mark.parametrize("scheme", ["http", "s3"])
-def test_hung_store_fails_within_its_timeout(scheme, registries, monkeypatch):
+def test_hung_store_fails_within_its_timeout(scheme, registries, monkeypatch, tmp_path):
     with silent_server() as url:
         root = f"{url}/adapters"
         if scheme == "s3":
             use_s3_endpoint(monkeypatch, url)
             root = "s3://bucket/adapters"
         registry = registries([root], fetch_timeout_s=1)
-        started = time.monotonic()
-        with pytest.raises(AdapterStoreUnavailable) as error:
-            registry.register("a", f"{root}/a")
-        elapsed = time.monotonic() - started
-    assert error.value.status_code == 503 and error.value.retry_after_s > 0
-    assert elapsed < 10, f"a store that hangs held registration for {elapsed:.1f} s with a 1 s timeout"
+        hung = RemoteObject(f"{root}/a/{WEIGHTS_NAME}", 3 * remote.PART_BYTES, "etag:x/1", None)
+        for what, attempt in (("registration", lambda: registry.register("a", f"{root}/a")),
+                              ("download", lambda: registry.store.download(hung, tmp_path / "hung"))):
+            started = time.monotonic()
+            with pytest.raises(AdapterStoreUnavailable) as error:
+                attempt()
+            elapsed = time.monotonic() - started
+            assert error.value.status_code == 503 and error.value.retry_after_s > 0
+            assert elapsed < 10, f"a store that hangs held a {what} for {elapsed:.1f} s with a 1 s timeout"
 
 
 # --- HTTP -----------------------------------------------------------------------------------------
@@ -363,7 +380,7 @@ def test_http_redirects_are_followed_only_under_the_roots(file_server, foreign_s
 
 
 def test_http_download_redirected_out_of_the_roots_is_refused(file_server, foreign_server, registries, tmp_path):
-    # The download's parts run in the helper process: the roots go with them.
+    # The download's parts go through the same redirect guard as the registration's reads.
     make_adapter(tmp_path / "www" / "adapters" / "a", r=4)
     (tmp_path / "foreign" / "a").mkdir()
     weights = (tmp_path / "www" / "adapters" / "a" / WEIGHTS_NAME).read_bytes()

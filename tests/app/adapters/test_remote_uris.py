@@ -1,5 +1,5 @@
 """Remote adapter URIs, without a server: the one form they are judged on, the roots that hold them, the Hub's
-filesystem made offline, and the size, version and checksum each store's file listing gives."""
+filesystem and obstore's clients made offline, and the size, version and checksum each store's file listing gives."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import socket
 import pytest
 
 from adapter_helpers import BASE
+from app.adapters.ranged_reads import ObjectStores
 from app.adapters.registry import AdapterRegistry
 from app.adapters.remote import RemoteObject, RemoteStore, describe
 from app.adapters.uris import normalize_uri
-from app.errors import AdapterFormatError, AdapterPathOutsideRoots, AdapterStoreUnavailable
+from app.errors import AdapterFormatError, AdapterPathOutsideRoots, AdapterSourceDenied, AdapterStoreUnavailable
 
 
 @pytest.mark.parametrize("uri, normalized", [
@@ -101,6 +102,29 @@ def test_hub_filesystem_is_made_without_the_network(monkeypatch):
     fs, path = RemoteStore(["hf://org"]).filesystem("hf://org/repo@v1/a")
     assert type(fs).__name__ == "HfFileSystem" and path == "org/repo@v1/a"
     assert calls == []
+
+
+def test_object_store_clients_come_from_the_environment_with_bounded_waits(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    stores = ObjectStores(timeout_s=7)
+    s3, gcs = stores._make("s3", "bucket"), stores._make("gs", "bucket")  # no request goes out for either
+    assert (type(s3).__name__, type(gcs).__name__) == ("S3Store", "GCSStore")
+    for store in (s3, gcs):
+        assert store.client_options["timeout"] == "7s" and store.retry_config["max_retries"] == 1
+    assert (s3.client_options["allow_http"], gcs.client_options["allow_http"]) == ("true", "false")  # http:// endpoint
+
+
+def test_s3_reads_without_credentials_are_denied(monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(AdapterSourceDenied, match="no AWS credentials") as error:
+        RemoteStore(["s3://bucket/adapters"]).read("s3://bucket/adapters/a/w", 0, 10)
+    assert error.value.status_code == 400
 
 
 _MD5 = "915a2ed4a335df2d6064afd6a4a21757"

@@ -17,14 +17,17 @@ import os
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
 from urllib.parse import urljoin
 
-import obstore
 import urllib3
-from obstore.store import GCSStore, S3Store
 
 from app.adapters.uris import check_redirect
 from app.errors import AdapterSourceDenied, AdapterStoreUnavailable
+
+if TYPE_CHECKING:
+    import obstore
+    from obstore.store import GCSStore, S3Store
 
 OBJECT_STORE_SCHEMES = ("s3", "gs")
 _STREAM_CHUNK = 1024 * 1024  # what a read takes from its connection at once
@@ -47,6 +50,8 @@ class ObjectStores:
     def chunks(self, uri: str, start: int, end: int) -> Iterator[obstore.Bytes]:
         """Bytes [start, end) of `uri` as they arrive, in chunks of about _STREAM_CHUNK, fewer where the object ends
         sooner; obstore's errors as raised."""
+        import obstore  # here, so that a node without obstore serves every other root
+
         scheme, rest = uri.split("://", 1)
         bucket, path = rest.split("/", 1)
         with self._lock:
@@ -56,6 +61,8 @@ class ObjectStores:
         return iter(obstore.get(store, path, options={"range": (start, end)}).stream(min_chunk_size=_STREAM_CHUNK))
 
     def _make(self, scheme: str, bucket: str) -> S3Store | GCSStore:
+        from obstore.store import GCSStore, S3Store
+
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         client = {"timeout": timedelta(seconds=self.timeout_s),
                   "connect_timeout": timedelta(seconds=min(10.0, self.timeout_s)),

@@ -3,8 +3,9 @@ bench/engine/throughput.py's and bench/peers/vllm.py's results, printed as a tab
 
     python -m bench.peers.compare bench/results/h100-x1-throughput-*-c*-a*.json   # as vllm_compare.sh runs it
 
-Where one engine has several results for a row, the latest counts. The summary's name starts with the prefix of
-the machine that writes it (bench/common.py's write_result). This module does not import vLLM.
+Where one engine has several results for a row, the latest counts. The summary takes the device prefix its results
+share (h100-x1-throughput-vs-vllm.json), so that a table made here of a GPU machine's results is named after that
+machine; results of several machines give a table under this machine's prefix. This module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def main(argv=None) -> dict:
     text = markdown(table)
     payload = {"benchmark": "throughput-vs-vllm", "table": text,
                "rows": [{**asdict(r), "ratio": r.ratio} for r in table]}
-    print(f"{text}\nwrote {write_result(args.name, payload, args.out_dir)}", flush=True)
+    path = write_result(args.name, payload, args.out_dir)
+    prefixes = {r.name.split("-throughput-", 1)[0] for r in args.results}
+    if len(prefixes) == 1 and (shared := args.out_dir / f"{prefixes.pop()}-{args.name}.json") != path:
+        path = path.rename(shared)
+    print(f"{text}\nwrote {path}", flush=True)
     return payload
 
 

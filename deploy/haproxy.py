@@ -61,6 +61,9 @@ SETTINGS = {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
 
 STARTING = {"error": {"message": "no application is deployed yet: the app is starting", "type": "server_error",
                       "code": "starting"}}
+NO_INGRESS = {"error": {"message": "no ingress replica of the app is up: it is starting or restarting",
+                        "type": "server_error", "code": "starting"}}
+NO_INGRESS_RETRY_AFTER_S = 2
 
 
 class UnsafeConfig(Exception):
@@ -124,7 +127,8 @@ def environment() -> dict[str, str]:
 def harden(config: str, http_request_timeout_s: int = HTTP_REQUEST_TIMEOUT_S,
            per_source: int = MAX_CONNECTIONS_PER_SOURCE, admin_bind: str = ADMIN_BIND) -> str:
     """Ray's rendered config with the admin socket private, the stats and metrics listeners on admin_bind, a
-    header timeout, a connection limit per client address, and /-/routes hidden."""
+    header timeout, a connection limit per client address, /-/routes hidden, and a prompt 503 from an app whose
+    ingress has no replica listed yet (`_answer_while_no_ingress`)."""
     section, out, done = "", [], set()
     no_app = not re.search(r"^\s*use_backend ", config, re.M)
     for line in config.splitlines():
@@ -158,7 +162,28 @@ def harden(config: str, http_request_timeout_s: int = HTTP_REQUEST_TIMEOUT_S,
     missing = {"socket", "frontend prometheus", "listen stats", "timeout", "per source"} - done
     if missing:
         raise UnsafeConfig(f"HAProxy's config has no line for {sorted(missing)} to harden: not starting it")
-    return "\n".join(out) + "\n"
+    return "\n".join(_answer_while_no_ingress(out)) + "\n"
+
+
+def _answer_while_no_ingress(lines: list[str]) -> list[str]:
+    """An app backend whose only server is Ray's fallback to Serve's proxy (its ingress replicas are not up: the
+    app is starting, or its ingress restarting) answers a 503 with Retry-After at once. Through the fallback, a
+    request would wait in Serve's proxy for as long as the start takes. Ray writes a new config, and starts HAProxy
+    on it through this launcher, whenever the ingress replicas change."""
+    quoted = json.dumps(json.dumps(NO_INGRESS))
+    answer = (f"    http-request return status 503 content-type application/json hdr retry-after "
+              f"{NO_INGRESS_RETRY_AFTER_S} string {quoted}")
+    out, start = [], None
+    for line in [*lines, ""]:
+        if line and not line[0].isspace() or not line:  # a section starts (or the config ends)
+            if start is not None:
+                servers = [i for i in range(start, len(out)) if out[i].strip().startswith("server ")]
+                if servers and all(out[i].rstrip().endswith(" backup") for i in servers):
+                    out.insert(servers[0], answer)
+            start = len(out) if line.startswith("backend ") and line.strip() != "backend default_backend" else None
+        if line:
+            out.append(line)
+    return out
 
 
 def launch(args: list[str]) -> None:

@@ -129,8 +129,9 @@ def app_ports(serve_config: Path) -> list[int]:
     return ports
 
 
-def free_ports(ports: list[int], settle_s: float = 15.0, unseen_s: float = 3.0) -> list[str]:
-    """End orphaned Serve HAProxies on `ports`; return one line per port something else still holds.
+def free_ports(ports: list[int], settle_s: float = 15.0, unseen_s: float = 3.0, announce: bool = True) -> list[str]:
+    """End orphaned Serve HAProxies on `ports` (saying so, where `announce`); return one line per port something else
+    still holds.
 
     All the ports are scanned again after each ending, and while a holder is in flux: one HAProxy holds all of
     them, so ending it on one port frees the others; a Serve HAProxy whose cluster is dying is waited for (up
@@ -142,8 +143,9 @@ def free_ports(ports: list[int], settle_s: float = 15.0, unseen_s: float = 3.0) 
         waited = time.monotonic() - start
         orphans = {h.pid: port for port, held in found.items() for h in held if h.is_orphaned_serve_haproxy}
         for pid, port in orphans.items():
-            print(f"ending a stale HAProxy (pid {pid}) left on :{port} by an earlier `serve run` that did not "
-                  "shut down", file=sys.stderr)
+            if announce:
+                print(f"ending a stale HAProxy (pid {pid}) left on :{port} by an earlier `serve run` that did not "
+                      "shut down", file=sys.stderr)
             _end(pid)
         held = [h for hs in found.values() for h in hs]
         dying = any(h.pid is not None and h.is_serve_haproxy for h in held)  # its cluster is still going

@@ -3,19 +3,24 @@ waits for.
 
 The config is checked before Ray starts (deploy/check.py), and the ports by deploy/preflight.py, which also holds
 a lock on the app's HTTP port for as long as this process runs, so that a second start meanwhile stops at once.
-`serve run` then runs as a child; once the app answers, one line gives its URL, base model, adapters, replicas
-and API docs. Ctrl-C reaches `serve run` as well (the terminal signals the whole process group), which shuts
-Serve down; this process says what that waits for and when it is done.
+`serve run` then runs as a child, in a session of its own; once the app answers, one line gives its URL, base model,
+adapters, replicas and API docs. Ctrl-C reaches this process alone. With requests in flight it waits for the
+replicas to report none (up to their grace period); then, or at once with none, it ends `serve run`'s processes and
+the HAProxy its cluster started. Serve's own graceful shutdown would not serve better: it stops HAProxy first,
+which cuts the streams in flight, then waits (the ingress's draining period, then Ray's own shutdown). A second
+Ctrl-C ends everything at once.
 
     python -m deploy serve serve_config.yaml
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +31,8 @@ from deploy import check, preflight
 from deploy.state import REPLICA_DEPLOYMENT
 
 READY_POLL_S = 0.5
+GRACE_S = 30  # the replicas' graceful_shutdown_timeout_s (deploy/app.py)
+_PR_SET_PDEATHSIG = 1
 
 
 def http_address(serve_config: Path) -> tuple[str, int]:
@@ -64,6 +71,35 @@ def ready_line(url: str, api_key: str | None, replicas_wanted: int = 1) -> str |
             f"replica{'s' if count != 1 else ''}; API docs at {url}/docs")
 
 
+def in_flight(url: str, api_key: str | None) -> int | None:
+    """Requests the replicas hold (Serve's calls, batch rows, the engine's queue), as they last reported (within
+    about a second); None where the app does not answer."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url}/v1/debug/replicas", headers=headers, timeout=2)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return sum(max(stats.get("ongoing", 0), stats.get("running", 0) + stats.get("waiting", 0))
+               for stats in response.json().get("replicas", {}).values())
+
+
+def _dies_with_parent() -> None:
+    """In `serve run`, before it starts: SIGTERM when this process dies, however it dies (it no longer shares the
+    terminal's signals). Linux only; elsewhere a `serve run` whose parent was killed keeps running."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python leaves an ignored SIGINT ignored in its children
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _end_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def serve(serve_config: Path) -> int:
     try:
         [args, *_] = check.check_file(serve_config)
@@ -79,35 +115,44 @@ def serve(serve_config: Path) -> int:
         print(preflight.held_message(problems, serve_config), file=sys.stderr)
         return 1
     serve_bin = Path(sys.executable).with_name("serve")
-    # Ctrl-C must reach `serve run` even where this process was started with SIGINT ignored (a shell's
-    # background job): Python then leaves it ignored in the child too.
-    child = subprocess.Popen([str(serve_bin), "run", str(serve_config)],
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    child = subprocess.Popen([str(serve_bin), "run", str(serve_config)], start_new_session=True,
+                             preexec_fn=_dies_with_parent)
     host, port = http_address(serve_config)
     url, started, stop_asked_at = f"http://{host}:{port}", time.monotonic(), None
+    interrupts, woken = 0, threading.Event()
 
-    def on_interrupt(signum, frame):
-        nonlocal stop_asked_at
-        if stop_asked_at is None:
-            stop_asked_at = time.monotonic()
-            print("stopping: Serve ends the replicas and HAProxy; requests in flight may finish first "
-                  "(up to 30 s). Ctrl-C again to stop at once.", file=sys.stderr, flush=True)
-        else:
-            child.kill()
+    def on_signal(signum, frame):
+        nonlocal interrupts, stop_asked_at
+        interrupts += 1
+        stop_asked_at = stop_asked_at or time.monotonic()
+        woken.set()
 
-    signal.signal(signal.SIGINT, on_interrupt)
-    announced, wanted = False, expected_replicas(serve_config)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    announced, wanted, handled, stop_by = False, expected_replicas(serve_config), 0, None
     while child.poll() is None:
-        if not announced and stop_asked_at is None and (line := ready_line(url, args.api_key, wanted)):
+        if interrupts > handled:
+            handled = interrupts
+            busy = in_flight(url, args.api_key) if handled == 1 else None
+            if busy:
+                print(f"stopping: {busy} request{'s' if busy != 1 else ''} in flight may finish first (up to "
+                      f"{GRACE_S} s). Ctrl-C again to stop at once.", file=sys.stderr, flush=True)
+                stop_by = time.monotonic() + GRACE_S
+            else:
+                print("stopping" + (": no requests in flight" if handled == 1 else " at once"), file=sys.stderr,
+                      flush=True)
+                _end_group(child.pid)
+        elif stop_by is not None and (not in_flight(url, args.api_key) or time.monotonic() > stop_by):
+            _end_group(child.pid)
+        elif not announced and stop_asked_at is None and (line := ready_line(url, args.api_key, wanted)):
             print(f"{line} (started in {time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
             announced = True
-        time.sleep(READY_POLL_S)
+        woken.wait(READY_POLL_S)
+        woken.clear()
+    _end_group(child.pid)  # whatever of its cluster outlived `serve run`
     if stop_asked_at is None:
         return child.returncode
-    exited_at = time.monotonic()
-    while (held := [port for port in ports if preflight.holders(port)]) and time.monotonic() - exited_at < 40:
-        time.sleep(0.5)
+    held = preflight.free_ports(ports, announce=False)  # ends the HAProxy of its cluster, which outlives it
     print(f"stopped in {time.monotonic() - stop_asked_at:.0f} s" + (
-        f"; {', '.join(f':{p}' for p in held)} still held (an HAProxy that outlived its cluster: the next start "
-        "ends it)" if held else ""), file=sys.stderr)
+        f"; {', '.join(held)}" if held else ""), file=sys.stderr)
     return 0

@@ -1,4 +1,5 @@
-"""The layering the folders promise: no import cycles between the project's modules, and Ray only in deploy/."""
+"""The layering the folders promise: no import cycles between the project's modules, Ray only in deploy/ and bench/,
+and vLLM, a peer engine the project never installs, only in bench/peers/."""
 
 import ast
 from pathlib import Path
@@ -54,13 +55,31 @@ def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def imported_names(path: Path) -> set[str]:
+    """Every absolute module name that `path` imports, anywhere in it."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+
+
+def imports_package(path: Path, package: str) -> bool:
+    return any(n == package or n.startswith(f"{package}.") for n in imported_names(path))
+
+
 def test_only_deploy_and_bench_import_ray():
     for package in ("app", "prefetch", "routing"):
         for path in (ROOT / package).rglob("*.py"):
-            tree = ast.parse(path.read_text(), str(path))
-            names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-            names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-            assert not {n for n in names if n == "ray" or n.startswith("ray.")}, path
+            assert not imports_package(path, "ray"), path
+
+
+def test_only_bench_peers_imports_vllm():
+    peers = ROOT / "bench" / "peers"
+    for package in (*PACKAGES, "tests"):
+        for path in (ROOT / package).rglob("*.py"):
+            if peers not in path.parents:
+                assert not imports_package(path, "vllm"), path
+    assert imports_package(peers / "vllm.py", "vllm")  # the check sees the one module that does
 
 
 def test_the_routing_policy_stands_alone():

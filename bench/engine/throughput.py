@@ -1,5 +1,6 @@
-"""Offline throughput: N requests with S-LoRA lengths (prompt and output U[8, max_len)) over A adapters,
-all submitted at once, in output tokens/s, for our engine or PEFT's own mixed-adapter `generate`.
+"""Offline throughput: N requests with S-LoRA lengths (prompt and output U[8, max_len)) over A adapters
+(0: the base model), all submitted at once, in output tokens/s, for our engine or PEFT's own mixed-adapter
+`generate`. The workload is bench/engine/offline_workload.py's, which bench/peers/vllm.py runs through vLLM.
 
     python -m bench.engine.throughput --size llama3-8b-shape --slots 32 --max-batch-size 32         # GPU
     python -m bench.engine.throughput --size llama3-8b-shape --engine peft --time-budget-s 120      # baseline
@@ -18,64 +19,16 @@ import json
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
-from transformers import AutoConfig
 
-from bench.adapter_pool import prepare
 from bench.common import RESULTS, device_name, device_slug, git_commit
+from bench.engine.offline_workload import (MIN_LEN, Tally, Workload, add_workload_args, check_workload_args,
+                                           prepare_workload, run_fields, warm_up)
 
-MIN_LEN = 8  # S-LoRA's lower bound for prompt and output lengths
-FIRST_TOKEN_ID = 16  # prompts skip the lowest ids, where the demo tokenizer keeps its special tokens
 PROGRESS_EVERY_S = 15.0
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    adapters: list[str]
-
-    def summary(self) -> dict:
-        prompt_lens = [len(p) for p in self.prompts]
-        return {"requests": len(self.prompts), "prompt_tokens": sum(prompt_lens), "output_tokens": sum(self.max_tokens),
-                "distinct_adapters": len(set(self.adapters))}
-
-
-def make_workload(requests: int, names: list[str], max_len: int, vocab: int, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(MIN_LEN, max_len, requests)
-    output_lens = rng.integers(MIN_LEN, max_len, requests)
-    adapters = rng.integers(0, len(names), requests)
-    prompts = [rng.integers(FIRST_TOKEN_ID, vocab, n).tolist() for n in prompt_lens]
-    return Workload(prompts, [int(n) for n in output_lens], [names[i] for i in adapters])
-
-
-@dataclass
-class Tally:
-    """What a timed run produced; tokens past a request's max_tokens are never counted."""
-
-    budget_s: float | None
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    output_tokens: int = 0
-    finished: int = 0
-    finished_tokens: int = 0
-    is_partial: bool = False
-
-    def over_budget(self) -> bool:
-        self.is_partial = self.budget_s is not None and time.perf_counter() - self.started > self.budget_s
-        return self.is_partial
-
-    def as_dict(self, work: Workload) -> dict:
-        wall = time.perf_counter() - self.started
-        return {"partial": self.is_partial, "time_budget_s": self.budget_s, "wall_s": wall,
-                "requests_finished": self.finished, "requests_total": len(work.prompts),
-                "output_tokens": self.output_tokens, "output_tokens_per_s": self.output_tokens / wall,
-                "finished_output_tokens": self.finished_tokens, "requests_per_s": self.finished / wall}
 
 
 # --- our engine --------------------------------------------------------------------------------------
@@ -123,7 +76,8 @@ def run_engine(args, base: Path, adapter_dir: Path, names: list[str], work: Work
         engine.register_adapter(name, str(adapter_dir / name))
     build_s = time.perf_counter() - built
     warm = time.perf_counter()
-    _drive(engine, [work.prompts[0][:MIN_LEN]] * len(names), [2] * len(names), names, SamplingParams, Tally(None))
+    first = warm_up(work, names)
+    _drive(engine, first.prompts, first.max_tokens, first.adapters, SamplingParams, Tally(None))
     warm_up_s = time.perf_counter() - warm
     tally = Tally(timed_budget(args))
     steps = _drive(engine, work.prompts, work.max_tokens, work.adapters, SamplingParams, tally)
@@ -254,13 +208,9 @@ def _generate(model, prompts, max_tokens, adapters, pad: int, device, tally: Tal
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", default="ours", choices=["ours", "peft"])
-    p.add_argument("--size", default="tiny", help="demo size: tiny | small | llama3-8b-shape (app/demo/build.py)")
-    p.add_argument("--demo-dir", type=Path, default=None, help="a built demo to use for demo sizes")
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--adapters", type=int, default=32)
+    add_workload_args(p)
     p.add_argument("--slots", type=int, default=32, help="EngineConfig.num_slots, where the engine has it")
     p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=512, help="prompt and output lengths are U[8, max_len)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--host-cache-gib", type=float, default=4.0)
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
@@ -269,30 +219,25 @@ def parse_args(argv=None):
                    help="stop after this long (the timed run only) and report what finished, flagged partial")
     p.add_argument("--stop-by", type=float, default=None, metavar="UNIX_TIME",
                    help="end the timed run by this wall-clock time whatever the build took (flagged partial)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="free text kept in the result")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.max_len <= MIN_LEN:
-        p.error(f"--max-len must exceed {MIN_LEN}, got {args.max_len}")
+    check_workload_args(p, args)
+    if args.engine == "peft" and args.adapters < 1:
+        p.error("--engine peft runs PEFT's mixed-adapter generate: it needs --adapters >= 1")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    base, adapter_dir, names = prepare(args.size, args.adapters, demo_dir=args.demo_dir)
-    vocab = AutoConfig.from_pretrained(base).vocab_size
-    work = make_workload(args.requests, names, args.max_len, vocab, args.seed)
+    base, adapter_dir, names, work = prepare_workload(args)
     payload = (run_peft if args.engine == "peft" else run_engine)(args, base, adapter_dir, names, work)
     import peft
 
     record = {"benchmark": "throughput", "command": " ".join(sys.orig_argv), "git_commit": git_commit(),
               "device": device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
               "peft": peft.__version__, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "engine": args.engine, "size": args.size, "note": args.note,
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "workload": {"lengths": f"U[{MIN_LEN}, {args.max_len})", "seed": args.seed, **work.summary()},
-              **payload}
+              **run_fields(args.engine, args, work), **payload}
     out = args.out or RESULTS / f"{device_slug()}-throughput-{args.engine}-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")

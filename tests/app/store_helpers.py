@@ -30,6 +30,7 @@ boto3 = pytest.importorskip("boto3")
 s3fs = pytest.importorskip("s3fs")
 
 REGION = "us-east-1"
+S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")  # use_s3_endpoint's
 _buckets = itertools.count()
 
 
@@ -47,8 +48,7 @@ def _moto_command(port: int) -> list[str]:
 
 def use_s3_endpoint(monkeypatch, endpoint: str, key_id: str = "testing", secret: str = "testing") -> None:
     """Point this process's environment (and so s3fs, and any child process) at an S3 endpoint."""
-    for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", key_id),
-                        ("AWS_SECRET_ACCESS_KEY", secret), ("AWS_DEFAULT_REGION", REGION)):
+    for name, value in zip(S3_ENV, (endpoint, key_id, secret, REGION)):
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(name, raising=False)

@@ -1,4 +1,9 @@
-"""A local Ray cluster with the app deployed from a config, once per test module."""
+"""A local Ray cluster with the app deployed from a config, once per test module.
+
+The modules that use the `cluster` fixture share one Ray runtime and Serve instance: they run one after another
+(pytest_collection_modifyitems), each deploys its app on it and deletes every app when it ends, and the runtime
+stops once the last of them has run, before any module that starts Ray nodes of its own.
+"""
 
 import socket
 import time
@@ -22,7 +27,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def app_config(demo_dir: Path, replicas: int = 2, **args) -> ServeDeploySchema:
+def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
+    """env: environment variables of the app's processes (the runtime started before the module set them)."""
     base_args = {
         "base_model": str(demo_dir / "base"), "adapter_roots": [str(demo_dir / "adapters")], "build_demo": False,
         "device": "cpu", "num_slots": 6, "max_batch_size": 4, "max_input_tokens": 256, "max_total_tokens": 4096,
@@ -31,6 +37,7 @@ def app_config(demo_dir: Path, replicas: int = 2, **args) -> ServeDeploySchema:
     }
     return ServeDeploySchema.model_validate({"applications": [{
         "name": "lora", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": {**base_args, **args},
+        **({"runtime_env": {"env_vars": env}} if env else {}),
         "deployments": [{"name": "LoRAReplica", "num_replicas": replicas}, {"name": "Ingress", "num_replicas": 1}],
     }]})
 
@@ -42,9 +49,10 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = serve_start(http_options={"host": "127.0.0.1", "port": self.port})
 
-    def deploy(self, replicas: int = 2, wait_replicas: bool = True, blocking: bool = True, **args) -> None:
+    def deploy(self, replicas: int = 2, wait_replicas: bool = True, blocking: bool = True, env: dict | None = None,
+               **args) -> None:
         """blocking: wait until Serve calls the application running (False for one that never will be)."""
-        self.client.deploy_apps(app_config(self.demo_dir, replicas, **args), _blocking=blocking)
+        self.client.deploy_apps(app_config(self.demo_dir, replicas, env, **args), _blocking=blocking)
         if wait_replicas:
             self.wait_for_replicas(replicas)
 
@@ -65,27 +73,79 @@ class Cluster:
         raise TimeoutError(f"{count} replicas did not report within {timeout_s}s")
 
 
+class SharedRuntime:
+    """The Ray runtime and Serve instance of the modules that use `cluster`: started by the first of them."""
+
+    cluster: Cluster | None = None
+    _env: pytest.MonkeyPatch | None = None
+
+    @classmethod
+    def get(cls, demo_dir: Path) -> Cluster:
+        if cls.cluster is None:
+            # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag
+            # where Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
+            cls._env = pytest.MonkeyPatch()
+            for name, value in haproxy.environment().items():
+                cls._env.setenv(name, value)
+            stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
+            cls._env.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
+            cls._env.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
+            cls._env.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)
+            # Serve's actors run with environment variables of their own, so no worker started ahead is ever used
+            ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False,
+                     _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
+            cls.cluster = Cluster(demo_dir)
+        return cls.cluster
+
+    @classmethod
+    def delete_apps(cls) -> None:
+        if cls.cluster is not None:
+            for name in list(serve.status().applications):
+                serve.delete(name)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.cluster is not None:
+            cls.cluster = None
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+                cls._env.undo()
+
+
+def _uses_cluster(item: pytest.Item) -> bool:
+    return "cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that share the runtime run one after another, where the first of them would run."""
+    shared = [item for item in items if _uses_cluster(item)]
+    if shared:
+        first = items.index(shared[0])
+        rest = [item for item in items if not _uses_cluster(item)]
+        items[:] = rest[:first] + shared + rest[first:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the module fixtures of the last module that shares the runtime are torn down, the runtime stops."""
+    if _uses_cluster(item) and (nextitem is None or not _uses_cluster(nextitem)):
+        SharedRuntime.stop()
+
+
 @pytest.fixture(scope="module")
-def cluster(request, demo_dir, monkeypatch_module):
-    """The app on 2 replicas, with the test module's CLUSTER_ARGS where it has them (None: the module deploys)."""
-    # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag where
-    # Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
-    for name, value in haproxy.environment().items():
-        monkeypatch_module.setenv(name, value)
-    stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
-    monkeypatch_module.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
-    monkeypatch_module.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
-    monkeypatch_module.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
+def cluster(request, demo_dir):
+    """The app on 2 replicas, with the test module's CLUSTER_ARGS where it has them (None: the module deploys),
+    on the shared runtime; every app is deleted when the module ends."""
+    cluster = SharedRuntime.get(Path(demo_dir))
     try:
-        cluster = Cluster(Path(demo_dir))
         args = getattr(request.module, "CLUSTER_ARGS", {})
         if args is not None:
-            cluster.deploy(replicas=2, **args)
+            cluster.deploy(replicas=getattr(request.module, "CLUSTER_REPLICAS", 2), **args)
         yield cluster
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        SharedRuntime.delete_apps()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Runtime adapter registration end to end: one answer per name, no request served with replaced weights, and
 adapters registered from an S3-protocol store (moto's server, a real process) served with their local tokens."""
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -8,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from store_helpers import MotoServer
+from store_helpers import S3_ENV, MotoServer
 
 PROMPT = "Tell me a story."
 CLUSTER_ARGS = None  # deployed by the `cluster` fixture below, with an s3:// root beside the demo's folder
@@ -16,7 +17,7 @@ CLUSTER_ARGS = None  # deployed by the `cluster` fixture below, with an s3:// ro
 
 @pytest.fixture(scope="module")
 def store(monkeypatch_module):
-    """Started before the cluster, so that every Ray process inherits its endpoint and keys."""
+    """The store's endpoint and keys in this process's environment; the app gets them in its own (`cluster`)."""
     server = MotoServer()
     server.use(monkeypatch_module)
     yield server
@@ -33,7 +34,8 @@ def bucket(store, demo_dir):
 
 @pytest.fixture(scope="module")
 def cluster(bucket, cluster, demo_dir, tmp_path_factory):
-    cluster.deploy(replicas=2, adapter_roots=[str(demo_dir / "adapters"), bucket.uri("demo")],
+    env = {name: os.environ[name] for name in S3_ENV}
+    cluster.deploy(replicas=2, env=env, adapter_roots=[str(demo_dir / "adapters"), bucket.uri("demo")],
                    adapter_cache_dir=str(tmp_path_factory.mktemp("node-cache")))
     return cluster
 

@@ -32,15 +32,17 @@ def test_the_flag_make_serve_reads():
     assert out.stdout.strip() == ("1" if haproxy.available() else "0")
 
 
-def rendered_by_ray(folder: Path, **settings) -> Path:
-    """The config Ray's HAProxy manager writes (its own template, no cluster), with no application yet."""
+def rendered_by_ray(folder: Path, backends: dict | None = None, **settings) -> Path:
+    """The config Ray's HAProxy manager writes (its own template, no cluster), with `backends` (none: no
+    application yet)."""
     from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
 
+    folder.mkdir(exist_ok=True)
     config = folder / "haproxy.cfg"
     HAProxyApi(cfg=HAProxyConfig(socket_path=str(folder / "admin.sock"), server_state_base=str(folder),
                                  server_state_file=str(folder / "server-state"),
                                  metrics_socket_path=str(folder / "metrics.sock"), **settings),
-               config_file_path=str(config))._generate_config_file_internal()
+               backend_configs=backends, config_file_path=str(config))._generate_config_file_internal()
     return config
 
 
@@ -94,6 +96,38 @@ def test_before_any_app_is_deployed_a_request_gets_a_prompt_503(tmp_path):
         response = wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=2), 10,
                             what="HAProxy answers")
         assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
+        assert response.json()["error"]["code"] == "starting"
+    finally:
+        server.kill()
+        server.wait()
+
+
+@needs_binary
+def test_an_app_whose_ingress_is_not_up_gets_a_prompt_503_and_one_with_a_replica_is_served(tmp_path):
+    """Ray lists Serve's proxy as the backup server of each app: while no ingress replica is up, a request would
+    wait there for the start. Hardened, such a backend answers a 503 with Retry-After at once; once Ray lists an
+    ingress replica, requests go to it."""
+    from ray.serve._private.haproxy import BackendConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    http, stats, metrics, replica, proxy = free_ports(5)
+    fallback = ServerConfig(name="SERVE_PROXY_ACTOR-fallback", host="127.0.0.1", port=proxy)
+    starting = BackendConfig(name="http-lora", path_prefix="/", app_name="lora", fallback_server=fallback)
+    config = rendered_by_ray(tmp_path, backends={"lora": starting}, http_options=HTTPOptions(host="127.0.0.1",
+                             port=http), stats_port=stats, metrics_port=metrics)
+    text = haproxy.harden(config.read_text())
+    assert text.count("retry-after 2") == 1
+    with_replica = BackendConfig(name="http-lora", path_prefix="/", app_name="lora", fallback_server=fallback,
+                                 servers=[ServerConfig(name="ingress-1", host="127.0.0.1", port=replica)])
+    served = haproxy.harden(rendered_by_ray(tmp_path / "served", backends={"lora": with_replica}).read_text())
+    assert "retry-after 2" not in served and "server ingress-1 127.0.0.1" in served
+    config.write_text(text)
+    server = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        response = wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=2), 10,
+                            what="HAProxy answers")
+        assert response.status_code == 503 and response.headers["retry-after"] == "2", response.text
         assert response.json()["error"]["code"] == "starting"
     finally:
         server.kill()

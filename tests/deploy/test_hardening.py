@@ -27,6 +27,7 @@ from deploy.args import AppArgs
 
 PROMPT = "Tell me a story."
 KEY = "secret-key"
+CLUSTER_REPLICAS = 1  # nothing here is about how requests spread over replicas
 ERROR_KEYS = {"message", "type", "code"}
 
 
@@ -261,7 +262,7 @@ def test_api_key_falls_back_to_the_environment(monkeypatch):
 @pytest.fixture(scope="module")
 def locked(cluster):
     """The app redeployed with an API key and adapter registration off (runs last: it changes the cluster)."""
-    cluster.deploy(replicas=2, wait_replicas=False, api_key=KEY, allow_adapter_registration=False)
+    cluster.deploy(replicas=CLUSTER_REPLICAS, wait_replicas=False, api_key=KEY, allow_adapter_registration=False)
     headers = {"authorization": f"Bearer {KEY}"}
 
     def serving_locked() -> bool:
@@ -269,7 +270,7 @@ def locked(cluster):
             if httpx.get(f"{cluster.url}/v1/models", timeout=10).status_code != 401:
                 return False
             view = httpx.get(f"{cluster.url}/v1/debug/replicas", headers=headers, timeout=10)
-            return view.status_code == 200 and len(view.json()["replicas"]) == 2
+            return view.status_code == 200 and len(view.json()["replicas"]) == CLUSTER_REPLICAS
         except httpx.HTTPError:
             return False
 

@@ -12,6 +12,7 @@ from deploy.ingress import fastapi_app
 
 # Room for the large requests below: bodies of a few hundred KiB and prompts of 500 tokens.
 CLUSTER_ARGS = {"max_body_bytes": 4 << 20, "max_input_tokens": 512}
+CLUSTER_REPLICAS = 1
 ODD_PATHS = [("DELETE", "/v1/adapters/%c3%a9", 404), ("GET", "/%ff", 404), ("POST", "/v1/completions%ff", 404),
              ("GET", "/v1/adapters/%c3%a9", 405), ("GET", "/caf%c3%a9", 404)]
 

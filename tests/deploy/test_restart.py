@@ -1,7 +1,8 @@
 """`make serve` (`python -m deploy serve`) starts again after it was killed without a graceful shutdown
 (SIGKILL): Serve's HAProxy outlives the cluster and keeps the ports, and deploy/preflight.py ends it before the
-next start. Each start says when the app answers, and Ctrl-C stops it and says when it is done. A port held by
-any other process stops the start at once with a message naming it."""
+next start. Each start says when the app answers; Ctrl-C with a request in flight lets it finish, says so in one
+line, and says when it is done. A port held by any other process stops the start at once with a message naming
+it. (test_slowloris stops an idle `make serve` with Ctrl-C.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import threading
 
 import httpx
 import pytest
@@ -48,6 +51,18 @@ def _answers(port: int) -> bool:
     return response.status_code == 200 and "pirate" in response.text
 
 
+STREAMS = 4  # long enough together to be in flight when Ctrl-C comes
+
+
+def _stream(port: int, lines: list[str]) -> None:
+    """A completion of 400 tokens, streamed; its lines go to `lines` as they arrive."""
+    body = {"model": "pirate", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+
+
 def test_make_serve_starts_again_after_serve_run_was_killed(tmp_path, demo_dir):
     http, stats, metrics = free_ports(3)
     config = write_serve_config(tmp_path / "serve_config.yaml", http,
@@ -68,11 +83,22 @@ def test_make_serve_starts_again_after_serve_run_was_killed(tmp_path, demo_dir):
         second = _start(config, env, log)  # the preflight ends what the first start left behind
         wait_for(lambda: _ready(log, 2), 240, what="the second start says it is ready")
         assert _answers(http)
+        streams = [[] for _ in range(STREAMS)]
+        threads = [threading.Thread(target=_stream, args=(http, lines)) for lines in streams]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: all(len(lines) >= 2 for lines in streams), 60, what="the streams have begun")
+        time.sleep(1.2)  # the replica reports its calls (within a second)
         asked = time.monotonic()
         os.killpg(second.pid, signal.SIGINT)  # Ctrl-C in its terminal
         second.wait(timeout=60)
+        for thread in threads:
+            thread.join(60)
         print(f"Ctrl-C stopped it in {time.monotonic() - asked:.1f} s")
-        assert re.search(r"^stopped in \d+ s$", log.read_text(), re.M), log.read_text()[-2000:]
+        text = log.read_text()
+        assert re.search(r"^stopping: \d+ requests? in flight may finish first \(up to 30 s\)", text, re.M), text[-2000:]
+        assert all(lines[-1] == "data: [DONE]" for lines in streams), [lines[-2:] for lines in streams]
+        assert re.search(r"^stopped in \d+ s$", text, re.M), text[-2000:]
     finally:
         for process in (second, first):
             if process is not None:

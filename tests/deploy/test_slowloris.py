@@ -4,7 +4,8 @@ client timeout or the header timeout, so a normal request goes through within it
 one client address cannot hold more than its share of the slots. The client timeout does not cut a long
 completion: it applies only while HAProxy waits for the client. The admin socket is closed to other users, and
 the stats page and metrics exporter listen on localhost. The test shrinks HAProxy's slots and timeouts to run
-quickly. The stalled clients come from distinct loopback addresses (127.0.0.2, ...), as from many machines."""
+quickly. The stalled clients come from distinct loopback addresses (127.0.0.2, ...), as from many machines. The app
+runs as `make serve` runs it, and Ctrl-C stops it, idle, within 5 s, HAProxy included."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -20,11 +22,12 @@ import httpx
 import pytest
 
 from deploy import haproxy, preflight
-from ray_nodes import INGRESS_DRAINING_S, RAY_ENV, SERVE, free_ports, stop_serve_run, write_serve_config
+from ray_nodes import INGRESS_DRAINING_S, RAY_ENV, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
 SLOTS, CLIENT_TIMEOUT_S, HEADER_TIMEOUT_S, PER_SOURCE = 40, 1, 2, 20
+IDLE_STOP_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +48,20 @@ def served(tmp_path_factory, demo_dir, ports):
            "RAY_SERVE_HAPROXY_MAXCONN": str(SLOTS), "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
            haproxy.HTTP_REQUEST_TIMEOUT_ENV: str(HEADER_TIMEOUT_S), haproxy.PER_SOURCE_ENV: str(PER_SOURCE),
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": INGRESS_DRAINING_S}
-    with open(tmp / "serve.log", "ab") as log:
-        process = subprocess.Popen([SERVE, "run", str(config)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+    with open(tmp / "serve.log", "ab") as log:  # what `make serve` runs, in a process group as a terminal holds it
+        process = subprocess.Popen([sys.executable, "-m", "deploy", "serve", str(config)], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=5).status_code == 200, 240,
                  what="the app answers")
         yield f"http://127.0.0.1:{http}"
+        asked = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in its terminal, nothing in flight
+        process.wait(timeout=60)
+        stopped_s = time.monotonic() - asked
+        print(f"Ctrl-C stopped the idle app in {stopped_s:.1f} s")
+        assert "\nstopping" in (tmp / "serve.log").read_text()
+        assert stopped_s <= IDLE_STOP_S and not any(preflight.holders(port) for port in ports)
     finally:
         stop_serve_run(process)
         for port in (http, stats, metrics):

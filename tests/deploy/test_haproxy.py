@@ -46,6 +46,19 @@ def rendered_by_ray(folder: Path, backends: dict | None = None, **settings) -> P
     return config
 
 
+def first_answer(config: Path, text: str, port: int) -> httpx.Response:
+    """The answer to GET /v1/models of the real HAProxy run on `text` (written to `config`), listening on `port`."""
+    config.write_text(text)
+    server = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        return wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2), 10,
+                        what="HAProxy answers")
+    finally:
+        server.kill()
+        server.wait()
+
+
 needs_binary = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
 
 
@@ -89,17 +102,9 @@ def test_before_any_app_is_deployed_a_request_gets_a_prompt_503(tmp_path):
     http, stats, metrics = free_ports(3)
     config = rendered_by_ray(tmp_path, http_options=HTTPOptions(host="127.0.0.1", port=http), stats_port=stats,
                              metrics_port=metrics)
-    config.write_text(haproxy.harden(config.read_text()))
-    server = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    try:
-        response = wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=2), 10,
-                            what="HAProxy answers")
-        assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
-        assert response.json()["error"]["code"] == "starting"
-    finally:
-        server.kill()
-        server.wait()
+    response = first_answer(config, haproxy.harden(config.read_text()), http)
+    assert response.status_code == 503 and response.headers["retry-after"] == "5", response.text
+    assert response.json()["error"]["code"] == "starting"
 
 
 @needs_binary
@@ -121,14 +126,6 @@ def test_an_app_whose_ingress_is_not_up_gets_a_prompt_503_and_one_with_a_replica
                                  servers=[ServerConfig(name="ingress-1", host="127.0.0.1", port=replica)])
     served = haproxy.harden(rendered_by_ray(tmp_path / "served", backends={"lora": with_replica}).read_text())
     assert "retry-after 2" not in served and "server ingress-1 127.0.0.1" in served
-    config.write_text(text)
-    server = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    try:
-        response = wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=2), 10,
-                            what="HAProxy answers")
-        assert response.status_code == 503 and response.headers["retry-after"] == "2", response.text
-        assert response.json()["error"]["code"] == "starting"
-    finally:
-        server.kill()
-        server.wait()
+    response = first_answer(config, text, http)
+    assert response.status_code == 503 and response.headers["retry-after"] == "2", response.text
+    assert response.json()["error"]["code"] == "starting"

@@ -91,9 +91,7 @@ class SharedRuntime:
             cls._env.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
             cls._env.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
             cls._env.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)
-            # Serve's actors run with environment variables of their own, so no worker started ahead is ever used
-            ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False,
-                     _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
+            ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
             cls.cluster = Cluster(demo_dir)
         return cls.cluster
 

@@ -51,7 +51,7 @@ def _answers(port: int) -> bool:
     return response.status_code == 200 and "pirate" in response.text
 
 
-STREAMS = 4  # long enough together to be in flight when Ctrl-C comes
+STREAMS = 8  # together several seconds of decoding: in flight when Ctrl-C comes
 
 
 def _stream(port: int, lines: list[str]) -> None:

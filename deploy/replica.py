@@ -17,10 +17,7 @@ from ray.exceptions import RayActorError
 
 from app.api.fanout import generate_choices, output_chunk
 from app.api.wire import ChoiceChunk, ErrorReply, GenerateCall
-from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, freeze_heap
-from app.engine.process import EngineProcess
 from app.engine.registry_mirror import RETRY_REFUSED_S, RegistryMirror
-from app.engine.engine import LLMEngine
 from app.errors import InternalError, ServingError
 from deploy import metrics
 from deploy.args import AppArgs
@@ -39,6 +36,12 @@ HINTED_TIERS = {"hinted_on_device": "device", "hinted_in_host": "host", "hinted_
 
 class LoRAReplica:
     async def __init__(self, args: dict):
+        # The engine's modules (torch, the model code) load here, in the replica, and not where this module is
+        # imported for the class alone: Serve's build task, on the path of every deploy.
+        from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, freeze_heap
+        from app.engine.engine import LLMEngine
+        from app.engine.process import EngineProcess
+
         sys.setswitchinterval(SWITCH_INTERVAL_S)  # an engine thread here shares the GIL with Ray's event loop
         self.args = AppArgs(**args)
         context = serve.get_replica_context()

@@ -9,9 +9,9 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig
 
 from app.errors import (
     AdapterConfigMismatch,
@@ -22,6 +22,9 @@ from app.errors import (
 )
 from app.adapters.patterns import pattern_value, selected_modules
 from app.adapters.safetensors_file import WEIGHTS_NAME, AdapterFile, StoredTensor, check_values_finite, read_adapter_file
+
+if TYPE_CHECKING:  # peft (a second or more of imports) is imported where a config is read
+    from peft import LoraConfig
 
 CONFIG_NAME = "adapter_config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
@@ -55,6 +58,8 @@ def short_name(module: str) -> str:
 def read_config(adapter_id: str, config_file: Path) -> LoraConfig:
     """Parse with PEFT from the local file only (never the Hub), then refuse what we do not serve."""
     try:
+        from peft import LoraConfig
+
         raw = LoraConfig.from_json_file(str(config_file))
         if not isinstance(raw, dict):
             raise ValueError("top level is not a JSON object")

@@ -12,11 +12,14 @@ compares the two on ordinary configs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import regex
-from peft import LoraConfig
 
 from app.errors import AdapterInvalid
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 # A benign pattern matches a module name in microseconds; this bounds a hostile one per module.
 MATCH_TIMEOUT_S = 0.05

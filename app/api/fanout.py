@@ -12,11 +12,14 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from app.api.wire import ChoiceChunk
-from app.engine.async_engine import AsyncEngine
 from app.engine.request import RequestOutput
 from app.sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # the engine's modules are the replica's: the ingress merges chunks without them
+    from app.engine.async_engine import AsyncEngine
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from operator import methodcaller
 
 from app.adapters.registry import VALIDATIONS_AT_ONCE
-from app.engine.process import DiscardResult
 from app.errors import (AdapterError, AdapterInUse, AdapterInvalid, AdapterNotFound, EngineUnavailable,
                         ServingError)
 
@@ -126,6 +125,8 @@ class RegistryMirror:
             del self.held[name]
             self.deferred.discard(name)
         if path is not None:
+            from app.engine.process import DiscardResult  # here: the ingress imports this module, not the engine's
+
             try:
                 await self.engine.call_aside(DiscardResult(methodcaller("register_adapter", name, path)))
             except ServingError as e:

@@ -32,4 +32,4 @@ prefill)
 *) echo "PART is decode or prefill, not ${PART}"; exit 2 ;;
 esac
 grep -E '"variant": "(floor|decode|prefill)' "bench/results/$name.log" | cut -c1-400
-bring_back decode "bench/results/$name.json" "bench/results/$name.log"
+bring_back decode $(written "$name.json") $(written "$name.log")  # only what this call wrote

@@ -86,7 +86,7 @@ def in_flight(url: str, api_key: str | None) -> int | None:
 
 
 def _dies_with_parent() -> None:
-    """In `serve run`, before it starts: SIGTERM when this process dies, however it dies (it no longer shares the
+    """In `serve run`, before it starts: SIGTERM when this process dies, however it dies (it does not share the
     terminal's signals). Linux only; elsewhere a `serve run` whose parent was killed keeps running."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python leaves an ignored SIGINT ignored in its children
     if sys.platform.startswith("linux"):

@@ -21,6 +21,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from adapter_helpers import BASE
 from app.adapters.registry import AdapterRegistry
@@ -293,3 +294,14 @@ def wait_for_fetches(registry: AdapterRegistry, timeout_s: float = 30.0) -> None
     while registry.node_snapshot()["fetches_running"]:
         assert time.monotonic() < deadline, "fetches ahead did not finish"
         time.sleep(0.01)
+
+
+def assert_same_bytes(got, expected) -> None:
+    """Two StoredAdapters hold the same modules, ranks, scales and tensor bytes."""
+    got, expected = got.flat_parts(), expected.flat_parts()
+    assert got.keys() == expected.keys()
+    for module, (a, b, rank, scale) in expected.items():
+        got_a, got_b, got_rank, got_scale = got[module]
+        assert (got_rank, got_scale, got_a.dtype) == (rank, scale, a.dtype)
+        assert torch.equal(got_a.view(torch.uint8), a.view(torch.uint8))
+        assert torch.equal(got_b.view(torch.uint8), b.view(torch.uint8))

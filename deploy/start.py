@@ -52,19 +52,24 @@ def expected_replicas(serve_config: Path) -> int:
     return 1
 
 
-def ready_line(url: str, api_key: str | None, replicas_wanted: int = 1) -> str | None:
-    """The line that says the app answers with the replicas it asks for, or None until then."""
+def _answer(url: str, path: str, api_key: str | None) -> dict | None:
+    """The app's JSON answer to GET `path`, or None where it does not answer 200."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=2)
-        replicas = httpx.get(f"{url}/v1/debug/replicas", headers=headers, timeout=2)
+        response = httpx.get(f"{url}{path}", headers=headers, timeout=2)
     except httpx.HTTPError:
         return None
-    if models.status_code != 200 or replicas.status_code != 200:
+    return response.json() if response.status_code == 200 else None
+
+
+def ready_line(url: str, api_key: str | None, replicas_wanted: int = 1) -> str | None:
+    """The line that says the app answers with the replicas it asks for, or None until then."""
+    models, replicas = _answer(url, "/v1/models", api_key), _answer(url, "/v1/debug/replicas", api_key)
+    if models is None or replicas is None:
         return None
-    ids = [model["id"] for model in models.json()["data"]]
-    base = next((m["id"] for m in models.json()["data"] if m.get("parent") is None), ids[0] if ids else "?")
-    count = len(replicas.json().get("replicas", {}))
+    ids = [model["id"] for model in models["data"]]
+    base = next((m["id"] for m in models["data"] if m.get("parent") is None), ids[0] if ids else "?")
+    count = len(replicas.get("replicas", {}))
     if count < replicas_wanted:
         return None
     return (f"ready: {url}/v1, base model {base}, {len(ids) - 1} adapters, {count} "
@@ -74,15 +79,11 @@ def ready_line(url: str, api_key: str | None, replicas_wanted: int = 1) -> str |
 def in_flight(url: str, api_key: str | None) -> int | None:
     """Requests the replicas hold (Serve's calls, batch rows, the engine's queue), as they last reported (within
     about a second); None where the app does not answer."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(f"{url}/v1/debug/replicas", headers=headers, timeout=2)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
+    replicas = _answer(url, "/v1/debug/replicas", api_key)
+    if replicas is None:
         return None
     return sum(max(stats.get("ongoing", 0), stats.get("running", 0) + stats.get("waiting", 0))
-               for stats in response.json().get("replicas", {}).values())
+               for stats in replicas.get("replicas", {}).values())
 
 
 def _dies_with_parent() -> None:

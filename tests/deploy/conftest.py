@@ -5,7 +5,6 @@ The modules that use the `cluster` fixture share one Ray runtime and Serve insta
 stops once the last of them has run, before any module that starts Ray nodes of its own.
 """
 
-import socket
 import time
 from pathlib import Path
 
@@ -19,12 +18,6 @@ from ray.serve.schema import ServeDeploySchema
 from deploy import haproxy
 from engine_helpers import TEST_HOST_CACHE_BYTES
 from ray_nodes import INGRESS_DRAINING_S, free_ports
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
@@ -45,7 +38,7 @@ def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **arg
 class Cluster:
     def __init__(self, demo_dir: Path):
         self.demo_dir = demo_dir
-        self.port = free_port()
+        [self.port] = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = serve_start(http_options={"host": "127.0.0.1", "port": self.port})
 

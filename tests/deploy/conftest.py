@@ -17,7 +17,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy import haproxy
 from engine_helpers import TEST_HOST_CACHE_BYTES
-from ray_nodes import INGRESS_DRAINING_S, free_ports
+from ray_nodes import free_ports
 
 
 def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
@@ -83,7 +83,6 @@ class SharedRuntime:
             stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
             cls._env.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
             cls._env.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
-            cls._env.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", INGRESS_DRAINING_S)
             ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
             cls.cluster = Cluster(demo_dir)
         return cls.cluster

@@ -28,10 +28,6 @@ from ray.serve.context import _set_global_client
 RAY = str(Path(sys.executable).with_name("ray"))
 SERVE = str(Path(sys.executable).with_name("serve"))
 # Ray >= 2.60 puts new local clusters under token auth; the CLI and drivers must say so to send the token.
-# Behind HAProxy a stopped ingress replica stays reachable for 30 s (Ray's default), so that external load
-# balancers can deregister it: every module's teardown, and every redeploy, waited that long. 2 s still covers the
-# local HAProxy's reload. (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, read where the cluster starts.)
-INGRESS_DRAINING_S = "2"
 RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 
 

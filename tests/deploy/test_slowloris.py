@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from deploy import haproxy, preflight
-from ray_nodes import INGRESS_DRAINING_S, RAY_ENV, free_ports, stop_serve_run, write_serve_config
+from ray_nodes import RAY_ENV, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
@@ -46,8 +46,7 @@ def served(tmp_path_factory, demo_dir, ports):
     env = {**os.environ, **RAY_ENV, **haproxy.environment(), "RAY_ADDRESS": "local",
            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats), "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
            "RAY_SERVE_HAPROXY_MAXCONN": str(SLOTS), "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
-           haproxy.HTTP_REQUEST_TIMEOUT_ENV: str(HEADER_TIMEOUT_S), haproxy.PER_SOURCE_ENV: str(PER_SOURCE),
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": INGRESS_DRAINING_S}
+           haproxy.HTTP_REQUEST_TIMEOUT_ENV: str(HEADER_TIMEOUT_S), haproxy.PER_SOURCE_ENV: str(PER_SOURCE)}
     with open(tmp / "serve.log", "ab") as log:  # what `make serve` runs, in a process group as a terminal holds it
         process = subprocess.Popen([sys.executable, "-m", "deploy", "serve", str(config)], env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)

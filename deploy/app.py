@@ -5,7 +5,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
-from deploy.args import DEMO_DIR, AppArgs
+from deploy.args import DEMO_DIR, GRACE_S, AppArgs
 from deploy.check import check_base_model
 from deploy.ingress import Ingress
 from deploy.replica import LoRAReplica
@@ -40,7 +40,7 @@ def replica_options(args: AppArgs) -> dict:
         "ray_actor_options": {**({"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5}),
                               "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},
         "health_check_period_s": 5,
-        "graceful_shutdown_timeout_s": 30,
+        "graceful_shutdown_timeout_s": GRACE_S,
         "graceful_shutdown_wait_loop_s": STOP_POLL_S,
         "deployment_actors": [DeploymentActorConfig(
             name=STATE_ACTOR, actor_class=ray.remote(RouterState), init_kwargs={"adapters": args.initial_adapters()},

@@ -16,6 +16,7 @@ from app.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_DIR = REPO / "demo" / "tiny"
+GRACE_S = 30  # how long a stopping replica lets its requests in flight finish (and `make serve`'s Ctrl-C waits)
 
 
 class AppSettings(BaseModel):

@@ -28,10 +28,10 @@ import httpx
 import yaml
 
 from deploy import check, preflight
+from deploy.args import GRACE_S
 from deploy.state import REPLICA_DEPLOYMENT
 
 READY_POLL_S = 0.5
-GRACE_S = 30  # the replicas' graceful_shutdown_timeout_s (deploy/app.py)
 _PR_SET_PDEATHSIG = 1
 
 

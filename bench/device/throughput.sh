@@ -7,13 +7,14 @@
 #     bash bench/device/throughput.sh                # any EngineConfig fields, FIELD=VALUE each
 #   ENGINE=peft bash bench/device/throughput.sh      # PEFT's mixed-adapter generate in static batches of 32, stopped
 #                                                    # after BUDGET_S (240) s: it finishes few requests in that time
-# NOTE (free text kept in the result), THROUGHPUT_S (the time limit). WHEELS: .whl (the engine's config needs pydantic).
+# BATCH (32: max concurrent sequences), ADAPTERS (32; 0: the base model), NOTE (free text kept in the result),
+# THROUGHPUT_S (the time limit). WHEELS: .whl (the engine's config needs pydantic).
 # Result: bench/results/<slug>-throughput<TAG>.json (TAG: none for this engine, -peft for PEFT), copied to $OUT.
 source bench/device/setup.sh
 engine=${ENGINE:-ours}
 tag=${TAG-$([ "$engine" = peft ] && echo -peft)}
-args=(--engine "$engine" --size llama3-8b-shape --requests 256 --adapters 32 --max-batch-size 32 --max-len 512
-      --dtype bfloat16)
+args=(--engine "$engine" --size llama3-8b-shape --requests 256 --adapters "${ADAPTERS:-32}"
+      --max-batch-size "${BATCH:-32}" --max-len 512 --dtype bfloat16)
 if [ "$engine" = peft ]; then args+=(--time-budget-s "${BUDGET_S:-240}"); else args+=(--slots 32); fi
 for field in ${ENGINE_ARGS:-}; do args+=(--engine-arg "$field"); done
 [ -n "${NOTE:-}" ] && args+=(--note "$NOTE")

@@ -28,8 +28,10 @@ demo: install
 demo-smollm2: install
 	$(BIN)/python -m app.demo --size smollm2 --out demo/smollm2
 
+# Two pytest runs at once: the tests that start Ray clusters, and the rest beside them at the lowest CPU priority
+# (tests/lanes.py). `$(BIN)/python -m pytest` runs the same tests in one process.
 test: install
-	$(BIN)/python -m pytest -q -rs --durations=30
+	$(BIN)/python tests/lanes.py -q -rs --durations=15
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -rs -m gpu

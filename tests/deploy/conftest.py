@@ -18,6 +18,7 @@ from ray.serve.schema import ServeDeploySchema
 from deploy import haproxy
 from engine_helpers import TEST_HOST_CACHE_BYTES
 from ray_nodes import free_ports
+from web import HTTP
 
 
 def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
@@ -50,7 +51,7 @@ class Cluster:
             self.wait_for_replicas(replicas)
 
     def replicas(self) -> dict:
-        response = httpx.get(f"{self.url}/v1/debug/replicas", timeout=10)
+        response = HTTP.get(f"{self.url}/v1/debug/replicas", timeout=10)
         return response.json()["replicas"] if response.status_code == 200 else {}
 
     def wait_for_replicas(self, count: int, timeout_s: float = 120) -> dict:

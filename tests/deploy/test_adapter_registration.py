@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from store_helpers import S3_ENV, MotoServer
+from web import HTTP
 
 PROMPT = "Tell me a story."
 CLUSTER_ARGS = None  # deployed by the `cluster` fixture below, with an s3:// root beside the demo's folder
@@ -42,11 +43,11 @@ def cluster(bucket, cluster, demo_dir, tmp_path_factory):
 
 def complete(cluster, model, **kw):
     body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **kw}
-    return httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    return HTTP.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
 
 
 def register(cluster, name, path):
-    return httpx.post(f"{cluster.url}/v1/adapters", json={"name": name, "path": path}, timeout=60)
+    return HTTP.post(f"{cluster.url}/v1/adapters", json={"name": name, "path": path}, timeout=60)
 
 
 def texts(cluster) -> dict:
@@ -66,7 +67,7 @@ class Stream(threading.Thread):
         # As many tokens as the demo's context holds past the prompt: the stream outlasts the test's checks.
         body = {"model": self.model, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        with httpx.stream("POST", f"{self.cluster.url}/v1/completions", json=body, timeout=120) as response:
+        with HTTP.stream("POST", f"{self.cluster.url}/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if self.halt.is_set():
                     return
@@ -89,10 +90,10 @@ def test_name_registered_again_while_streaming_never_serves_the_old_weights(clus
     try:
         assert stream.started.wait(60)
         time.sleep(1.0)
-        assert httpx.delete(f"{cluster.url}/v1/adapters/swap").status_code == 200
+        assert HTTP.delete(f"{cluster.url}/v1/adapters/swap").status_code == 200
         created = register(cluster, "swap", "robot")
         assert created.status_code == 201, created.text
-        roots = {m["id"]: m["root"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]}
+        roots = {m["id"]: m["root"] for m in HTTP.get(f"{cluster.url}/v1/models").json()["data"]}
         assert roots["swap"].endswith("/robot")
         during = [complete(cluster, "swap") for _ in range(8)]
         assert not stream.finished, "the stream ended before the checks: they tested nothing"
@@ -116,7 +117,7 @@ def test_name_registered_again_while_streaming_never_serves_the_old_weights(clus
             assert response.status_code == 503, response.text
             time.sleep(0.2)
     assert after == [expected["robot"]] * 8, after
-    assert httpx.delete(f"{cluster.url}/v1/adapters/swap").status_code == 200
+    assert HTTP.delete(f"{cluster.url}/v1/adapters/swap").status_code == 200
 
 
 def test_concurrent_registrations_of_one_name_get_one_success(cluster, demo_dir):
@@ -135,9 +136,9 @@ def test_concurrent_registrations_of_one_name_get_one_success(cluster, demo_dir)
         refused = [r for r in responses if r.status_code != 201]
         assert all(r.status_code == 409 and r.json()["error"]["code"] == "adapter_exists" for r in refused), \
             {r.status_code for r in refused}
-        roots = {m["id"]: m["root"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]}
+        roots = {m["id"]: m["root"] for m in HTTP.get(f"{cluster.url}/v1/models").json()["data"]}
         assert roots[name].endswith("/" + paths[created[0] % 2])
-        assert httpx.delete(f"{cluster.url}/v1/adapters/{name}").status_code == 200
+        assert HTTP.delete(f"{cluster.url}/v1/adapters/{name}").status_code == 200
 
 
 def node_downloads(cluster, settle_s: float = 3.0) -> int:
@@ -159,7 +160,7 @@ def test_adapter_from_s3_serves_its_local_tokens(cluster, bucket):
     assert created.status_code == 201, created.text
     assert created.json()["root"] == bucket.uri("demo", "pirate")
     assert complete(cluster, "pirate-s3").json()["choices"][0]["text"] == expected["pirate"]
-    streamed = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+    streamed = HTTP.post(f"{cluster.url}/v1/completions", timeout=120, json={
         "model": "pirate-s3", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True})
     chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(httpx.Response(200, content=c).json()["choices"][0]["text"] for c in chunks) == expected["pirate"]

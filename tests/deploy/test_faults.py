@@ -16,6 +16,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from engine_helpers import TEST_HOST_CACHE_BYTES
+from web import HTTP
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 8
@@ -69,7 +70,7 @@ def faults_cluster(cluster, adapters32):
 
 def completion(url, model, stream=False, **kw):
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream, **kw}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    return HTTP.post(f"{url}/v1/completions", json=body, timeout=300)
 
 
 def stream_text(response: httpx.Response) -> str:
@@ -117,7 +118,7 @@ def test_replica_killed_mid_stream_ends_cleanly_and_is_replaced(faults_cluster):
     body = {"model": "pirate", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True,
             "ignore_eos": True}
     events = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         uid = response.headers["x-replica-id"]
         victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                       if a["name"].startswith("SERVE_REPLICA") and a["name"].endswith(uid))

@@ -14,6 +14,7 @@ import pytest
 from deploy import haproxy
 from ray_nodes import free_ports
 from traffic import wait_for
+from web import HTTP
 
 
 def test_available_from_the_package_or_the_path(monkeypatch):
@@ -52,7 +53,7 @@ def first_answer(config: Path, text: str, port: int) -> httpx.Response:
     server = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        return wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2), 10,
+        return wait_for(lambda: HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=2), 10,
                         what="HAProxy answers")
     finally:
         server.kill()

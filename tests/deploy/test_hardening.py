@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from app.api.schemas import MAX_TOKENS_LIMIT
 from bad_inputs import BAD_INPUT, CONTROL, completion
 from deploy.args import AppArgs
+from web import HTTP
 
 PROMPT = "Tell me a story."
 KEY = "secret-key"
@@ -42,11 +43,11 @@ def assert_openai_error(response: httpx.Response) -> dict:
 
 
 def assert_healthy(cluster, headers=None) -> None:
-    assert httpx.get(f"{cluster.url}/health", timeout=10).json() == {"status": "ok"}
-    done = httpx.post(f"{cluster.url}/v1/completions", headers=headers, timeout=60,
+    assert HTTP.get(f"{cluster.url}/health", timeout=10).json() == {"status": "ok"}
+    done = HTTP.post(f"{cluster.url}/v1/completions", headers=headers, timeout=60,
                       json={"model": "base", "prompt": PROMPT, "max_tokens": 4})
     assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"], done.text
-    chat = httpx.post(f"{cluster.url}/v1/chat/completions", headers=headers, timeout=60,
+    chat = HTTP.post(f"{cluster.url}/v1/chat/completions", headers=headers, timeout=60,
                       json={"model": "pirate", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
 
@@ -267,9 +268,9 @@ def locked(cluster):
 
     def serving_locked() -> bool:
         try:
-            if httpx.get(f"{cluster.url}/v1/models", timeout=10).status_code != 401:
+            if HTTP.get(f"{cluster.url}/v1/models", timeout=10).status_code != 401:
                 return False
-            view = httpx.get(f"{cluster.url}/v1/debug/replicas", headers=headers, timeout=10)
+            view = HTTP.get(f"{cluster.url}/v1/debug/replicas", headers=headers, timeout=10)
             return view.status_code == 200 and len(view.json()["replicas"]) == CLUSTER_REPLICAS
         except httpx.HTTPError:
             return False
@@ -319,18 +320,18 @@ def test_openai_client_with_the_key(cluster, locked):
 
 
 def test_adapter_registration_switched_off_is_403(cluster, locked, demo_dir):
-    registered = httpx.post(f"{cluster.url}/v1/adapters", headers=locked, timeout=30,
+    registered = HTTP.post(f"{cluster.url}/v1/adapters", headers=locked, timeout=30,
                             json={"name": "late", "path": f"{demo_dir}/adapters/pirate"})
     assert registered.status_code == 403, registered.text
     assert assert_openai_error(registered)["code"] == "adapter_registration_disabled"
-    deleted = httpx.delete(f"{cluster.url}/v1/adapters/pirate", headers=locked, timeout=30)
+    deleted = HTTP.delete(f"{cluster.url}/v1/adapters/pirate", headers=locked, timeout=30)
     assert deleted.status_code == 403, deleted.text
     assert assert_openai_error(deleted)["code"] == "adapter_registration_disabled"
     for route, body in [("load_lora_adapter", {"lora_name": "late", "lora_path": f"{demo_dir}/adapters/pirate"}),
                         ("unload_lora_adapter", {"lora_name": "pirate"})]:
-        refused = httpx.post(f"{cluster.url}/v1/{route}", headers=locked, timeout=30, json=body)
+        refused = HTTP.post(f"{cluster.url}/v1/{route}", headers=locked, timeout=30, json=body)
         assert refused.status_code == 403, refused.text
         assert assert_openai_error(refused)["code"] == "adapter_registration_disabled"
-    served = httpx.post(f"{cluster.url}/v1/completions", headers=locked, timeout=60,
+    served = HTTP.post(f"{cluster.url}/v1/completions", headers=locked, timeout=60,
                         json={"model": "pirate", "prompt": PROMPT, "max_tokens": 4})
     assert served.status_code == 200, served.text

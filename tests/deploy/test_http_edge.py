@@ -9,6 +9,7 @@ import pytest
 
 from app.api.schemas.common import MAX_PROMPT_CHARS
 from deploy.ingress import fastapi_app
+from web import HTTP
 
 # Room for the large requests below: bodies of a few hundred KiB and prompts of 500 tokens.
 CLUSTER_ARGS = {"max_body_bytes": 4 << 20, "max_input_tokens": 512}
@@ -46,7 +47,7 @@ def test_a_reply_past_the_grpc_message_cap_is_delivered_whole(cluster):
     """Echoed prompts with 20 logprobs per token: within every limit, and a reply of several MB."""
     prompts = [[3 + (7 * p + i) % 1000 for i in range(500)] for p in range(32)]
     body = {"model": "pirate", "prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 1}
-    response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=300)
+    response = HTTP.post(f"{cluster.url}/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text[:500]
     assert len(response.content) > GRPC_MESSAGE_CAP
     choices = response.json()["choices"]
@@ -59,7 +60,7 @@ def test_health_answers_while_big_tokenize_calls_run(cluster):
     statuses, latencies = [], []
 
     def tokenize():
-        statuses.append(httpx.post(f"{cluster.url}/tokenize", json={"model": "base", "prompt": text},
+        statuses.append(HTTP.post(f"{cluster.url}/tokenize", json={"model": "base", "prompt": text},
                                    timeout=120).status_code)
 
     callers = [threading.Thread(target=tokenize) for _ in range(6)]
@@ -68,7 +69,7 @@ def test_health_answers_while_big_tokenize_calls_run(cluster):
     time.sleep(0.2)  # the calls have arrived
     while any(caller.is_alive() for caller in callers):
         started = time.perf_counter()
-        assert httpx.get(f"{cluster.url}/health", timeout=30).status_code == 200
+        assert HTTP.get(f"{cluster.url}/health", timeout=30).status_code == 200
         latencies.append(time.perf_counter() - started)
         time.sleep(0.05)
     assert statuses == [200] * 6
@@ -84,6 +85,6 @@ def test_messages_to_tokenize_or_chat_past_the_prompt_limit_together_are_refused
                 {"role": "user", "content": half}]
     for route, body in [("tokenize", {"model": "base", "messages": messages}),
                         ("v1/chat/completions", {"model": "base", "messages": messages, "max_tokens": 1})]:
-        response = httpx.post(f"{cluster.url}/{route}", json=body, timeout=120)
+        response = HTTP.post(f"{cluster.url}/{route}", json=body, timeout=120)
         assert response.status_code == 422, response.text[:300]
         assert str(MAX_PROMPT_CHARS) in response.json()["error"]["message"]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import threading
 
-import httpx
 import pytest
 
 from deploy import haproxy, preflight
 from ray_nodes import RAY_ENV, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
+from web import HTTP
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
 
@@ -47,7 +47,7 @@ def _ready(log: Path, starts: int) -> bool:
 
 
 def _answers(port: int) -> bool:
-    response = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+    response = HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
     return response.status_code == 200 and "pirate" in response.text
 
 
@@ -57,7 +57,7 @@ STREAMS = 8  # together several seconds of decoding: in flight when Ctrl-C comes
 def _stream(port: int, lines: list[str]) -> None:
     """A completion of 400 tokens, streamed; its lines go to `lines` as they arrive."""
     body = {"model": "pirate", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if line:
                 lines.append(line)

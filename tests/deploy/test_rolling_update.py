@@ -18,6 +18,7 @@ from ray.serve.context import _get_global_client
 
 from ray_nodes import RayNode, connect_driver, disconnect_driver, free_ports, serve_cli, write_serve_config
 from traffic import Traffic, demo_adapters, expected_texts, replica_view, request_once, wait_for
+from web import HTTP
 
 REPLICAS = 2
 
@@ -59,7 +60,7 @@ def test_serve_deploy_with_new_args_rolls_replicas_under_traffic(head, demo_dir,
 
     deploy(head, v1)
     old = set(wait_for(lambda: len(view := replica_view(url)) == REPLICAS and view, 120, what="v1 replicas"))
-    registered = httpx.post(f"{url}/v1/adapters", timeout=30,
+    registered = HTTP.post(f"{url}/v1/adapters", timeout=30,
                             json={"name": "runtime-pirate", "path": f"{demo_dir}/adapters/pirate"})
     assert registered.status_code == 201, registered.text
 
@@ -83,7 +84,7 @@ def test_serve_deploy_with_new_args_rolls_replicas_under_traffic(head, demo_dir,
     # The new args are in force: max_batch_size 6 (max_ongoing_requests 2 x 6), adapters from the new root.
     details = _get_global_client().get_serve_details()["applications"]["lora"]["deployments"]["LoRAReplica"]
     assert details["deployment_config"]["max_ongoing_requests"] == 12
-    models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    models = {m["id"]: m for m in HTTP.get(f"{url}/v1/models", timeout=30).json()["data"]}
     assert all(m["root"].startswith(str(new_root)) for m in models.values() if m["parent"])
     with httpx.Client(base_url=url, timeout=60) as client:
         assert request_once(client, "stowaway", False, expected["pirate"], 12).ok

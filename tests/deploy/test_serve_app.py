@@ -17,6 +17,7 @@ from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from deploy.state import find_router_state
 from engine_helpers import TEST_HOST_CACHE_BYTES
+from web import HTTP
 
 PROMPT = "Tell me a story."
 
@@ -52,7 +53,7 @@ def oai(cluster):
 
 def complete(cluster, model, prompt=PROMPT, **kw):
     body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
-    return httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    return HTTP.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
 
 
 def test_openai_client_models_complete_stream_chat(cluster, oai, manifest, expected):
@@ -87,15 +88,15 @@ def test_unknown_model_is_404_with_openai_body(cluster, oai):
 
 def test_error_statuses(cluster):
     url = f"{cluster.url}/v1/completions"
-    bad_json = httpx.post(url, content=b'{"model": "base", "prompt": ', headers={"content-type": "application/json"})
+    bad_json = HTTP.post(url, content=b'{"model": "base", "prompt": ', headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "error" in bad_json.json()
-    wrong_type = httpx.post(url, json={"model": "base", "prompt": "x", "max_tokens": "many"})
+    wrong_type = HTTP.post(url, json={"model": "base", "prompt": "x", "max_tokens": "many"})
     assert wrong_type.status_code == 422 and wrong_type.json()["error"]["type"] == "invalid_request_error"
-    too_big = httpx.post(url, json={"model": "base", "prompt": "x" * 70000})
+    too_big = HTTP.post(url, json={"model": "base", "prompt": "x" * 70000})
     assert too_big.status_code == 413 and "limit" in too_big.json()["error"]["message"]
     too_long = complete(cluster, "base", prompt="word " * 400)
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
-    assert httpx.get(f"{cluster.url}/health").json() == {"status": "ok"}
+    assert HTTP.get(f"{cluster.url}/health").json() == {"status": "ok"}
 
 
 def test_overload_is_429_with_retry_after(cluster):
@@ -136,7 +137,7 @@ def test_a_replica_reports_the_calls_it_serves(cluster, manifest):
             time.sleep(0.05)
             seen = ongoing()
 
-    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         lines = response.iter_lines()  # kept: a generator dropped closes the connection, which ends the call
         next(lines)  # the call is being served; it waits for the client, which reads no more
@@ -197,7 +198,7 @@ def load_in_background(cluster, names, stop: threading.Event, results: list):
 
 def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manifest):
     names = [a["name"] for a in manifest["adapters"]]
-    epoch = httpx.get(f"{cluster.url}/v1/debug/replicas").json()["epoch"]
+    epoch = HTTP.get(f"{cluster.url}/v1/debug/replicas").json()["epoch"]
     stop, results = threading.Event(), []
     threads = load_in_background(cluster, names, stop, results)
     time.sleep(2)
@@ -207,11 +208,11 @@ def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manife
     while time.time() < deadline and (during is None or during.status_code != 503):
         attempt += 1
         path = f"{cluster.demo_dir}/adapters/{names[0]}"
-        during = httpx.post(f"{cluster.url}/v1/adapters", json={"name": f"late-{attempt}", "path": path})
+        during = HTTP.post(f"{cluster.url}/v1/adapters", json={"name": f"late-{attempt}", "path": path})
         assert during.status_code in (201, 503), during.text  # the old actor may take a moment to die
     deadline = time.time() + 60
     while time.time() < deadline:
-        response = httpx.get(f"{cluster.url}/v1/debug/replicas")
+        response = HTTP.get(f"{cluster.url}/v1/debug/replicas")
         if response.status_code == 200 and response.json()["epoch"] != epoch and len(response.json()["replicas"]) == 2:
             break
         time.sleep(0.5)
@@ -224,18 +225,18 @@ def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manife
     assert results and all(code == 200 for code in results), [c for c in results if c != 200][:5]
     assert during.status_code == 503 and during.headers.get("retry-after") == "1", during.text
     assert during.json()["error"]["code"] == "engine_unavailable"
-    models = {m["id"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]}
+    models = {m["id"] for m in HTTP.get(f"{cluster.url}/v1/models").json()["data"]}
     assert set(names) <= models
 
 
 def test_register_and_unregister_adapter_over_http(cluster, manifest, demo_dir):
     path = f"{demo_dir}/{manifest['adapters'][1]['path']}"
-    created = httpx.post(f"{cluster.url}/v1/adapters", json={"name": "dynamic-one", "path": path})
+    created = HTTP.post(f"{cluster.url}/v1/adapters", json={"name": "dynamic-one", "path": path})
     assert created.status_code == 201, created.text
     assert complete(cluster, "dynamic-one").status_code == 200
-    outside = httpx.post(f"{cluster.url}/v1/adapters", json={"name": "evil", "path": "/etc"})
+    outside = HTTP.post(f"{cluster.url}/v1/adapters", json={"name": "evil", "path": "/etc"})
     assert outside.status_code == 400 and outside.json()["error"]["code"] == "adapter_path_outside_roots"
-    assert httpx.delete(f"{cluster.url}/v1/adapters/dynamic-one").status_code == 200
+    assert HTTP.delete(f"{cluster.url}/v1/adapters/dynamic-one").status_code == 200
     assert complete(cluster, "dynamic-one").status_code == 404
 
 
@@ -243,7 +244,7 @@ def test_vllm_adapter_routes_load_and_unload(cluster, manifest, demo_dir):
     path = f"{demo_dir}/{manifest['adapters'][1]['path']}"
 
     def post(route, **body):
-        return httpx.post(f"{cluster.url}/v1/{route}", json=body, timeout=60)
+        return HTTP.post(f"{cluster.url}/v1/{route}", json=body, timeout=60)
 
     loaded = post("load_lora_adapter", lora_name="vllm-one", lora_path=path)
     assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'vllm-one' added successfully."
@@ -267,7 +268,7 @@ def test_tokenize_and_detokenize_use_the_generation_routes_tokenization(cluster,
     robot = manifest["adapters"][0]["name"]
 
     def post(route, **body):
-        return httpx.post(f"{cluster.url}/{route}", json=body, timeout=60)
+        return HTTP.post(f"{cluster.url}/{route}", json=body, timeout=60)
 
     text = post("tokenize", model="base", prompt=PROMPT).json()
     usage = oai.completions.create(model="base", prompt=PROMPT, max_tokens=1).usage

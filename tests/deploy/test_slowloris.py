@@ -24,6 +24,7 @@ import pytest
 from deploy import haproxy, preflight
 from ray_nodes import RAY_ENV, free_ports, stop_serve_run, write_serve_config
 from traffic import wait_for
+from web import HTTP
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
 SLOTS, CLIENT_TIMEOUT_S, HEADER_TIMEOUT_S, PER_SOURCE = 40, 1, 2, 20
@@ -51,7 +52,7 @@ def served(tmp_path_factory, demo_dir, ports):
         process = subprocess.Popen([sys.executable, "-m", "deploy", "serve", str(config)], env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=5).status_code == 200, 240,
+        wait_for(lambda: HTTP.get(f"http://127.0.0.1:{http}/v1/models", timeout=5).status_code == 200, 240,
                  what="the app answers")
         yield f"http://127.0.0.1:{http}"
         asked = time.monotonic()
@@ -185,7 +186,7 @@ def long_tokens(served) -> int:
     """max_tokens that keep 12 choices generating for about three client timeouts on this machine, however fast."""
     body = {"model": "pirate", "prompt": "Hello!", "max_tokens": 64, "ignore_eos": True, "n": 12}
     start = time.monotonic()
-    assert httpx.post(f"{served}/v1/completions", json=body, timeout=120).status_code == 200
+    assert HTTP.post(f"{served}/v1/completions", json=body, timeout=120).status_code == 200
     per_token_s = (time.monotonic() - start) / 64
     return min(4000, max(480, round(3 * CLIENT_TIMEOUT_S / per_token_s)))
 
@@ -195,7 +196,7 @@ def test_a_completion_longer_than_the_client_timeout_is_not_cut(served, long_tok
     body = {"model": "pirate", "prompt": "Hello!", "max_tokens": long_tokens, "ignore_eos": True, "n": 12,
             "stream": stream}
     start = time.monotonic()
-    with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", f"{served}/v1/completions", json=body, timeout=120) as response:
         text = "".join(response.iter_text())
     elapsed = time.monotonic() - start
     assert response.status_code == 200, text

@@ -12,6 +12,7 @@ from adapter_helpers import make_adapter
 from app.model.architectures import UnsupportedModel
 from deploy.app import build_app
 from deploy.args import AppArgs
+from web import HTTP
 
 CLUSTER_ARGS = None  # each test deploys its own app
 ANSWER_WITHIN_S = 60
@@ -43,7 +44,7 @@ def test_requests_get_a_prompt_503_naming_the_replicas_error(cluster, demo_dir, 
     deadline = time.monotonic() + 120  # the ingress itself starts first
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200:
+            if HTTP.get(f"{cluster.url}/health", timeout=5).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -52,7 +53,7 @@ def test_requests_get_a_prompt_503_naming_the_replicas_error(cluster, demo_dir, 
                         ({"model": "pirate", "prompt": "hi", "max_tokens": 2, "stream": True}, "completions"),
                         ({"model": "broken-base", "messages": [{"role": "user", "content": "hi"}]}, "chat/completions")]:
         started = time.monotonic()
-        response = httpx.post(f"{cluster.url}/v1/{route}", json=body, timeout=ANSWER_WITHIN_S)
+        response = HTTP.post(f"{cluster.url}/v1/{route}", json=body, timeout=ANSWER_WITHIN_S)
         assert time.monotonic() - started < ANSWER_WITHIN_S
         assert response.status_code == 503, response.text
         assert response.headers.get("retry-after"), response.headers
@@ -68,15 +69,15 @@ def test_adapters_refused_at_start_are_not_listed_and_a_request_for_one_says_why
                 "pirate": str(demo_dir / "adapters" / "pirate")}
     cluster.deploy(replicas=1, adapter_roots=[str(demo_dir / "adapters"), str(tmp_path)], adapters=adapters,
                    max_rank=16)
-    models = {model["id"] for model in httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"]}
+    models = {model["id"] for model in HTTP.get(f"{cluster.url}/v1/models", timeout=10).json()["data"]}
     assert "pirate" in models and not models & {"ghost", "wide"}, models
     for name, reason in [("ghost", "no such directory"), ("wide", "rank 32 > max_rank 16")]:
-        response = httpx.post(f"{cluster.url}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
+        response = HTTP.post(f"{cluster.url}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
                               timeout=60)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "adapter_invalid" and reason in error["message"], error
-    response = httpx.post(f"{cluster.url}/v1/completions", json={"model": "pirate", "prompt": "hi", "max_tokens": 2},
+    response = HTTP.post(f"{cluster.url}/v1/completions", json={"model": "pirate", "prompt": "hi", "max_tokens": 2},
                           timeout=60)
     assert response.status_code == 200, response.text
     refused = [stats["refused"] for stats in cluster.replicas().values()]

@@ -18,6 +18,7 @@ from ray.util.state import list_actors
 from deploy.app import SINGLE_LOOP_ENV
 from ray_nodes import RayNode, connect_driver, disconnect_driver, free_ports, serve_cli, write_serve_config
 from traffic import PROMPT, Traffic, demo_adapters, expected_texts, replica_view, wait_for
+from web import HTTP
 
 BATCH = 4
 # The GCS declares a node dead after health_check_failure_threshold (5) failed checks, health_check_period_ms
@@ -101,7 +102,7 @@ def long_stream(url: str, model: str, outcomes: list, landed: dict, timeout_s: f
     body = {"model": model, "prompt": PROMPT, "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
     replica, finish, events = None, "no [DONE]", []
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as response:
+        with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as response:
             replica = response.headers.get("x-replica-id")
             landed[model] = replica
             for line in response.iter_lines():

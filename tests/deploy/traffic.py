@@ -17,6 +17,7 @@ from app.engine.engine import LLMEngine
 from app.sampling.params import SamplingParams
 from bench.common import completion_stream_text
 from engine_helpers import TEST_HOST_CACHE_BYTES
+from web import HTTP
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 12
@@ -137,5 +138,5 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.25, what: str = "con
 
 
 def replica_view(url: str, headers: dict | None = None) -> dict:
-    response = httpx.get(f"{url}/v1/debug/replicas", timeout=10, headers=headers)
+    response = HTTP.get(f"{url}/v1/debug/replicas", timeout=10, headers=headers)
     return response.json()["replicas"] if response.status_code == 200 else {}

@@ -53,7 +53,8 @@ def expected_replicas(serve_config: Path) -> int:
 
 
 # One client for the polls: httpx.get builds a client per call, and each loads the CA bundle (~20 ms of CPU).
-_CLIENT = httpx.Client(timeout=2)
+# No connection is kept between polls: an idle one would hold one of HAProxy's slots, and of this address's share.
+_CLIENT = httpx.Client(timeout=2, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _answer(url: str, path: str, api_key: str | None) -> dict | None:

@@ -21,6 +21,12 @@ from ray_nodes import free_ports
 from web import HTTP
 
 
+# Serve's handles and replicas push autoscaling metrics every 10 s by default; test_autoscaling wants seconds.
+# Only deployments with an autoscaling_config push them.
+FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+
+
 def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
     """env: environment variables of the app's processes (the runtime started before the module set them)."""
     base_args = {
@@ -79,7 +85,7 @@ class SharedRuntime:
             # HTTP through HAProxy straight to the ingress, as `make serve` runs it (the controller reads the flag
             # where Ray starts); test_two_nodes keeps Serve's proxy, as a bare `ray start` has it.
             cls._env = pytest.MonkeyPatch()
-            for name, value in haproxy.environment().items():
+            for name, value in {**haproxy.environment(), **FAST_METRICS}.items():
                 cls._env.setenv(name, value)
             stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
             cls._env.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))

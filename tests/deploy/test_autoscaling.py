@@ -1,4 +1,4 @@
-"""Load-driven autoscaling of LoRAReplica with our router, on a real `ray start` node.
+"""Load-driven autoscaling of LoRAReplica with our router, on the local cluster the deploy tests share.
 
 Serve's autoscaler counts, per deployment, the requests running on replicas and the requests still
 queued in each caller's router (Serve wraps every `choose_replicas` wait in `wrap_queued_request`,
@@ -18,24 +18,20 @@ import pytest
 import ray
 import yaml
 from ray import serve
-from ray.serve._private.api import serve_start
 from ray.serve._private.common import DeploymentID
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from deploy.args import AppArgs
-from ray_nodes import RayNode, connect_driver, disconnect_driver, free_ports
 from traffic import Traffic, demo_adapters, expected_texts, replica_view, wait_for
 
 # Serve warns when look_back_period_s is below its deprecated metrics_interval_s (10 s): the test's short
-# window is deliberate, the metrics it averages are pushed every 0.5 s here.
+# window is deliberate, the metrics it averages are pushed every 0.5 s here (conftest.FAST_METRICS).
 pytestmark = pytest.mark.filterwarnings("ignore:.*look_back_period_s.*:FutureWarning")
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+CLUSTER_ARGS = None  # the `autoscaled` fixture deploys
 BATCH = 4  # max_batch_size and max_ongoing_requests of the test replicas
-# Serve's handles and replicas push autoscaling metrics every 10 s by default; the test wants seconds.
-FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 # serve_config.yaml's block with small delays (and a target of one full batch, as there).
 TEST_DELAYS = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "upscale_delay_s": 1.0,
                "downscale_delay_s": 2.0, "look_back_period_s": 2.0}
@@ -62,35 +58,18 @@ def test_serve_config_autoscaling_block_is_valid_and_fits_the_replica():
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    node = RayNode(tmp_path_factory.mktemp("autoscaling") / "head.log", num_cpus=4, env=FAST_METRICS)
-    try:
-        node.wait_started()
-        yield node
-    finally:
-        node.stop()
-
-
-@pytest.fixture(scope="module")
-def autoscaled(head, demo_dir):
+def autoscaled(cluster, demo_dir):
     """The app with autoscaling on, one replica to start; yields the HTTP url."""
-    (port,) = free_ports(1)
-    connect_driver(head.address)
-    try:
-        client = serve_start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"base_model": f"{demo_dir}/base", "adapter_roots": [f"{demo_dir}/adapters"], "build_demo": False,
-                "device": "cpu", "num_slots": 6, "max_batch_size": BATCH, "max_ongoing_requests": BATCH,
-                "max_input_tokens": 256, "max_total_tokens": 4096, "spread_after_s": 0.2}
-        autoscaling = {**commented_autoscaling_block(), **TEST_DELAYS, "target_ongoing_requests": BATCH}
-        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [{
-            "name": "lora", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": args,
-            "deployments": [{"name": "LoRAReplica", "autoscaling_config": autoscaling},
-                            {"name": "Ingress", "num_replicas": 1}]}]}), _blocking=True)
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: len(replica_view(url)) == 1, 120, what="one replica reporting")
-        yield url
-    finally:
-        disconnect_driver()
+    args = {"base_model": f"{demo_dir}/base", "adapter_roots": [f"{demo_dir}/adapters"], "build_demo": False,
+            "device": "cpu", "num_slots": 6, "max_batch_size": BATCH, "max_ongoing_requests": BATCH,
+            "max_input_tokens": 256, "max_total_tokens": 4096, "spread_after_s": 0.2}
+    autoscaling = {**commented_autoscaling_block(), **TEST_DELAYS, "target_ongoing_requests": BATCH}
+    cluster.client.deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+        "name": "lora", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": args,
+        "deployments": [{"name": "LoRAReplica", "autoscaling_config": autoscaling},
+                        {"name": "Ingress", "num_replicas": 1}]}]}), _blocking=True)
+    wait_for(lambda: len(replica_view(cluster.url)) == 1, 120, what="one replica reporting")
+    return cluster.url
 
 
 def replicas_running() -> int:

@@ -20,6 +20,7 @@ from web import HTTP
 
 PROMPT = "Tell me a story."
 MAX_TOKENS = 8
+CLUSTER_ARGS = None  # deployed by `faults_cluster`, over 32 adapters
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,15 @@ def expected32(demo_dir, adapters32):
     return out
 
 
+def faults_args(cluster, adapters32) -> dict:
+    root, _ = adapters32
+    return {"adapter_roots": [f"{cluster.demo_dir}/adapters", str(root)], "max_pending_requests": 1024,
+            "max_batch_size": 8, "num_slots": 6}
+
+
 @pytest.fixture(scope="module")
 def faults_cluster(cluster, adapters32):
-    root, _ = adapters32
-    cluster.deploy(replicas=2, adapter_roots=[f"{cluster.demo_dir}/adapters", str(root)],
-                   max_pending_requests=1024, max_batch_size=8, num_slots=6)
+    cluster.deploy(replicas=2, **faults_args(cluster, adapters32))
     return cluster
 
 
@@ -165,7 +170,7 @@ def test_non_streaming_requests_are_retried_when_their_replica_dies(faults_clust
     faults_cluster.wait_for_replicas(2)
 
 
-def test_graceful_scale_down_lets_in_flight_requests_finish(faults_cluster):
+def test_graceful_scale_down_lets_in_flight_requests_finish(faults_cluster, adapters32):
     url = faults_cluster.url
     results = []
 
@@ -176,8 +181,9 @@ def test_graceful_scale_down_lets_in_flight_requests_finish(faults_cluster):
     for t in threads:
         t.start()
     time.sleep(1.0)
-    faults_cluster.deploy(replicas=1, wait_replicas=False, adapter_roots=[f"{faults_cluster.demo_dir}/adapters"],
-                          max_pending_requests=1024, max_batch_size=8, num_slots=6)
+    # The same args: Serve stops one replica and starts none (other args would replace every replica)
+    faults_cluster.deploy(replicas=1, wait_replicas=False, **faults_args(faults_cluster, adapters32))
     for t in threads:
         t.join()
     assert results == [200] * 6
+    faults_cluster.wait_for_replicas(1)

@@ -115,11 +115,7 @@ class CudaGraphs:
         ints.copy_(torch.tensor(values, dtype=torch.long))
         tables = self.host_tables[:batch]
         tables.zero_()
-        row = 0
-        for _, run in groupby(inputs.decode_tables, key=id):  # a prefill chunk's rows share one table object
-            run = list(run)
-            tables[row: row + len(run), : len(run[0])] = torch.tensor(run[0], dtype=torch.int32)
-            row += len(run)
+        fill_tables(tables, inputs.decode_tables)
         staged = ints.to(self.device, non_blocking=True)
         sizes = ((self.static_ids, batch), (self.static_positions, batch), (self.static_slot_mapping, batch),
                  (self.static_lens, batch), (self.static_order, batch), (self.static_starts, s_cap + 1),
@@ -196,3 +192,24 @@ class CudaGraphs:
         if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows
             hidden = hidden.index_select(0, self.static_sample)
         return self.model.lm_head(hidden)
+
+
+def fill_tables(tables: torch.Tensor, rows: list[list[int]]) -> None:
+    """Each row's block table into `tables` (zeroed, [>= len(rows), max blocks]). The leading rows, decode rows
+    with a table each, go in one copy (a copy per row costs ~8 us of host time, 1 ms at 128 rows); the rows of a
+    prefill chunk, which share one table object, in one broadcast copy per chunk."""
+    lead = 0
+    while lead < len(rows) and (lead + 1 == len(rows) or rows[lead + 1] is not rows[lead]):
+        lead += 1
+    if lead:
+        width = max(map(len, rows[:lead]))
+        flat = []
+        for table in rows[:lead]:
+            flat += table
+            flat += [0] * (width - len(table))
+        tables[:lead, :width] = torch.tensor(flat, dtype=torch.int32).view(lead, width)
+    row = lead
+    for _, run in groupby(rows[lead:], key=id):
+        run = list(run)
+        tables[row: row + len(run), : len(run[0])] = torch.tensor(run[0], dtype=torch.int32)
+        row += len(run)

@@ -18,6 +18,20 @@ always one full decode of its tokens, so what a stream ends with equals `tokeniz
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+
+def native_decode(tokenizer):
+    """`decode(ids, skip_special_tokens=...)` equal to `tokenizer.decode`, or None. Where a tokenizer decodes as
+    transformers' fast tokenizers do and cleans up no spaces, its decode is its `tokenizers` backend's decode of
+    the same ids, wrapped in Python that costs several times the decode itself (once per row and step)."""
+    kind = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and kind.decode is PreTrainedTokenizerBase.decode
+            and kind._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces):
+        return tokenizer.backend_tokenizer.decode
+    return None
+
 
 class IncrementalText:
     """The decoded text of a growing token list.
@@ -33,8 +47,11 @@ class IncrementalText:
         self.prefix_offset = 0  # the window's first token: decoded again for context
         self.read_offset = 0
         self.windowed = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._native = native_decode(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._native is not None:
+            return self._native(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token: int) -> str:

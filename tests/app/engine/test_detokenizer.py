@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from app.demo import text as demo_text
-from app.engine.detokenizer import IncrementalText
+from app.engine.detokenizer import IncrementalText, native_decode
 
 
 def _streams(vocab: int, count: int = 12, length: int = 160, seed: int = 0) -> list[list[int]]:
@@ -76,3 +76,20 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_in_full():
     ids = tokenizer("Ahoy , matey . Ready ?", add_special_tokens=False).input_ids
     for i, token in enumerate(ids):
         assert text.push(token) == tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+
+
+class _Shouting(PreTrainedTokenizerFast):
+    def _decode(self, *args, **kwargs) -> str:
+        return super()._decode(*args, **kwargs).upper()
+
+
+def test_the_backend_decodes_only_where_it_equals_the_tokenizers_decode(demo_dir):
+    assert native_decode(AutoTokenizer.from_pretrained(demo_dir / "base")) is not None
+    metaspace = _metaspace_tokenizer()
+    assert native_decode(metaspace) is not None
+    shouting = _Shouting(tokenizer_object=metaspace.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                         unk_token="<unk>")
+    assert native_decode(shouting) is None  # a tokenizer with its own decode keeps it
+    _check_every_prefix(shouting, _streams(len(shouting), count=2), True)
+    metaspace.clean_up_tokenization_spaces = True
+    assert native_decode(metaspace) is None

@@ -106,6 +106,24 @@ def test_prefill_tokens_as_decode_rows_equal_prefill(make_engine, manifest, adap
     assert converted and max(converted) > 0, "no step mixed decode rows with prefill tokens"
 
 
+def test_block_tables_fill_a_graphs_buffer_row_by_row():
+    """Decode rows (a table each) and prefill chunks as decode rows (one table object per chunk) land in the
+    graph's table buffer as their rows, zero-padded, whichever copy carries them."""
+    import torch
+
+    from app.engine.cuda_graphs import fill_tables
+
+    chunk_a, chunk_b = [7, 8, 9], [4]
+    for rows in ([[1, 2], [3], [5, 6, 10, 11]] + [chunk_a] * 3 + [chunk_b] * 2 + [[12]],
+                 [chunk_a] * 2 + [[1], [2, 3]], [[1, 2, 3]], []):
+        tables = torch.zeros(10, 6, dtype=torch.int32)
+        fill_tables(tables, rows)
+        expected = torch.zeros(10, 6, dtype=torch.int32)
+        for i, table in enumerate(rows):
+            expected[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        assert torch.equal(tables, expected), rows
+
+
 def test_graph_buckets_cover_decode_batches_then_step_tokens():
     from app.engine.cuda_graphs import graph_buckets
 

@@ -23,6 +23,7 @@ from app.engine.kv_blocks import BlockManager
 from app.engine.model_runner import ModelRunner
 from app.model.architectures import check_supported
 from app.model.attention import PagedKVCache, kv_cache_blocks
+from app.model.fp8 import check_fp8_device, quantize_linears
 from app.model.lora import LoRASlots, pool_size
 from app.sampling.structured import GrammarCompiler
 from prefetch.layout import PageLayout
@@ -53,9 +54,16 @@ class EngineParts:
 def build_parts(config: EngineConfig) -> EngineParts:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
-    check_supported(AutoConfig.from_pretrained(config.base_model))  # before the weights load: refused by name
+    model_config = AutoConfig.from_pretrained(config.base_model)
+    arch = check_supported(model_config)  # before the weights load: refused by name
+    if config.quantization == "fp8":
+        check_fp8_device(device)
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
     model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype).to(device).eval()
+    if config.quantization == "fp8":
+        count = quantize_linears(model, arch.target_shapes(model.config))
+        torch.cuda.empty_cache()  # the dense weights' memory, for the adapter pool and the KV cache sized below
+        log.info("quantized %d linear projections to FP8 (per output channel)", count)
     max_model_len = model.config.max_position_embeddings
     remote = any(is_remote(root) for root in config.adapter_roots)
     cache = NodeCache(config.adapter_cache_dir or default_directory(), config.adapter_cache_bytes) if remote else None

@@ -45,6 +45,10 @@ class EngineConfig:
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N. auto: a GPU where there is one.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="auto: bfloat16 on CUDA, float32 on CPU.")
+    quantization: Literal["fp8"] | None = Field(
+        default=None, description="fp8: the base model's linear projections in float8_e4m3fn, one scale per output "
+        "channel, activations quantized per token (CUDA GPUs with FP8 tensor cores: compute capability 8.9 or "
+        "more). Adapters, embeddings, norms and lm_head stay in `dtype`.")
     max_batch_size: int = Field(default=32, ge=1, description="Rows in one decode batch.")
     max_input_tokens: int = Field(default=2048, ge=1, description="Longest prompt, in tokens.")
     max_total_tokens: int = Field(

@@ -18,14 +18,14 @@ always one full decode of its tokens, so what a stream ends with equals `tokeniz
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
 
 def native_decode(tokenizer):
     """`decode(ids, skip_special_tokens=...)` equal to `tokenizer.decode`, or None. Where a tokenizer decodes as
     transformers' fast tokenizers do and cleans up no spaces, its decode is its `tokenizers` backend's decode of
     the same ids, wrapped in Python that costs several times the decode itself (once per row and step)."""
+    from transformers import PreTrainedTokenizerBase  # here: the modules that import this one may not need them
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
     kind = type(tokenizer)
     if (isinstance(tokenizer, TokenizersBackend) and kind.decode is PreTrainedTokenizerBase.decode
             and kind._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces):

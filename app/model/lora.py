@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from app.model.architectures import UnsupportedModel, check_supported
+from app.model.fp8 import Fp8Linear, Fp8Weight, base_linear
 from app.model.kernels import lora as kernels
 from prefetch.layout import PageLayout
 
@@ -92,9 +93,10 @@ class LoRAContext:
         self.side_stream = torch.cuda.Stream(device) if use_kernel else None
         self.overlap = False  # the shrink beside the GEMM, on side_stream: set while decode graphs are captured
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
                group: kernels.Group | None) -> torch.Tensor:
-        """F.linear(x, weight, bias) plus every member's LoRA of x on its columns of the output.
+        """F.linear(x, weight, bias) (an FP8 GEMM for an FP8 weight) plus every member's LoRA of x on its columns of
+        the output.
 
         While the model runner captures its decode graphs (`overlap`), the shrink, which reads only x, runs
         on a side stream beside the GEMM (it fills the GEMM's idle SMs and hides its chain of dependent loads
@@ -104,22 +106,22 @@ class LoRAContext:
         one stream: there the fork and join cost host time."""
         meta = self.meta
         if group is None or meta is None:
-            return nn.functional.linear(x, weight, bias)
+            return base_linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         tables = (self.slot_ranks, self.page_table, meta.token_order, meta.seg_starts, meta.seg_slots)
         if not self.use_kernel:
-            y = nn.functional.linear(x, weight, bias)
+            y = base_linear(x, weight, bias)
             kernels.lora_group_reference(y.view(-1, y.shape[-1]), x2, group, self.scales, *tables)
             return y
         if not self.overlap:
-            y = nn.functional.linear(x, weight, bias)
+            y = base_linear(x, weight, bias)
             kernels.lora_group_apply(y.view(-1, y.shape[-1]), x2, group, self.scales, *tables, self.workspace)
             return y
         main = torch.cuda.current_stream()
         self.side_stream.wait_stream(main)
         with torch.cuda.stream(self.side_stream):
             splits = kernels.lora_shrink(x2, group, *tables, self.workspace)
-        y = nn.functional.linear(x, weight, bias)
+        y = base_linear(x, weight, bias)
         main.wait_stream(self.side_stream)
         kernels.lora_expand(y.view(-1, y.shape[-1]), group, self.scales, *tables, self.workspace, splits)
         return y
@@ -139,12 +141,17 @@ class LinearGroup:
         self.linears = linears
         widths = [linear.out_features for linear in linears]
         if len(linears) > 1:  # one weight; each linear keeps a view of its rows (no extra memory)
-            weight = torch.cat([linear.weight.detach() for linear in linears])
+            fp8 = isinstance(linears[0], Fp8Linear)
+            weight = Fp8Weight.cat([linear.fp8 for linear in linears]) if fp8 else \
+                torch.cat([linear.weight.detach() for linear in linears])
             biases = [linear.bias for linear in linears]
             bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
             for linear, w, b in zip(linears, weight.split(widths), bias.split(widths) if bias is not None
                                     else [None] * len(linears)):
-                linear.weight = nn.Parameter(w, requires_grad=False)
+                if fp8:
+                    linear.set_fp8(w)
+                else:
+                    linear.weight = nn.Parameter(w, requires_grad=False)
                 if b is not None:
                     linear.bias = nn.Parameter(b, requires_grad=False)
             self.weight, self.bias = weight, bias
@@ -177,7 +184,7 @@ class LinearGroup:
 
     def _run_alone(self, position: int, x: torch.Tensor) -> torch.Tensor:
         linear = self.linears[position]
-        return self.ctx.linear(x, linear.weight, linear.bias, self.alone.get(position))
+        return self.ctx.linear(x, base_weight(linear), linear.bias, self.alone.get(position))
 
 
 class LoRALinear(nn.Module):
@@ -258,21 +265,26 @@ def wrap_targets(model: nn.Module, layout: PageLayout, views, ctx: LoRAContext,
 def _check_linear(parent_name: str, name: str, linear, shape: tuple[int, int]) -> None:
     """The LoRA layers compute F.linear over the module's weight: anything else (a quantized or custom linear, a
     missing module) would be served wrong, so it is refused by name."""
-    if type(linear) is not nn.Linear:
+    if type(linear) not in (nn.Linear, Fp8Linear):
         raise UnsupportedModel(f"{parent_name}.{name} is {type(linear).__name__}, not torch.nn.Linear; "
-                               "LoRA is served on plain linears only")
+                               "LoRA is served on plain linears only (and on the FP8 ones of `quantization: fp8`)")
     if (linear.in_features, linear.out_features) != tuple(shape):
         raise UnsupportedModel(f"{parent_name}.{name} is [{linear.in_features} -> {linear.out_features}], "
                                f"but its architecture declares {list(shape)}")
 
 
 def _fusable(linears) -> bool:
-    if not all(type(linear) is nn.Linear for linear in linears):
-        return False
     first = linears[0]
-    return all(linear.in_features == first.in_features and linear.weight.dtype == first.weight.dtype
-               and linear.weight.device == first.weight.device and (linear.bias is None) == (first.bias is None)
-               for linear in linears)
+    if type(first) not in (nn.Linear, Fp8Linear) or not all(type(linear) is type(first) for linear in linears):
+        return False
+    weights = [base_weight(linear) for linear in linears]
+    kind = lambda w: (w.q.dtype, w.q.device) if isinstance(w, Fp8Weight) else (w.dtype, w.device)  # noqa: E731
+    return all(linear.in_features == first.in_features and kind(w) == kind(weights[0])
+               and (linear.bias is None) == (first.bias is None) for linear, w in zip(linears, weights))
+
+
+def base_weight(linear: nn.Module) -> torch.Tensor | Fp8Weight:
+    return linear.fp8 if isinstance(linear, Fp8Linear) else linear.weight
 
 
 def _install(parent: nn.Module, names, linears, lora, ctx: LoRAContext) -> LinearGroup:

@@ -1,11 +1,9 @@
 """CUDA graphs (marker `gpu`): graph replay and compiled decode equal eager and PEFT, and the paged adapter pool
 replayed in graphs equals padded slots."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from app.adapters.targets import target_shapes
 from engine_helpers import agrees_up_to_near_tie, bf16_reference, greedy, run_all
@@ -13,31 +11,6 @@ from prefetch.layout import PageLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 MAX_NEW = 16
-
-
-@pytest.fixture(scope="module")
-def graph_model(tmp_path_factory, demo_dir):
-    """A random model whose head_dim (64) the Triton decode kernel takes, with three random adapters of
-    mixed ranks: the tiny demo's head_dim (16) runs the torch reference, without graphs."""
-    from peft import LoraConfig, get_peft_model
-
-    root = tmp_path_factory.mktemp("graphs")
-    tokenizer = AutoTokenizer.from_pretrained(Path(demo_dir) / "base")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
-    for i, rank in enumerate((4, 8, 16)):
-        peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"),
-                                    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.data.normal_(0, 0.05)
-        peft_model.save_pretrained(root / "adapters" / f"a{i}")
-    return root
 
 
 def test_graph_replay_equals_eager_and_peft(make_engine, graph_model, manifest):

@@ -12,6 +12,7 @@ from app.model.kernels.lora import gather_rows
 from app.model.lora import (MAX_RESIDENT_ADAPTERS, LinearGroup, LoRAContext, LoRALinear, LoRAMetadata, LoRASlots, pool_size,
                       segments)
 from app.adapters.targets import target_shapes
+from app.model.fp8 import quantize_linears
 from prefetch.layout import PageLayout
 
 
@@ -97,19 +98,27 @@ def test_pool_size_from_bytes_fraction_or_slot_override(monkeypatch):
         pool_size(sizing(adapter_memory_bytes=3 * page), layout, torch.bfloat16, cpu)
 
 
-def test_sibling_linears_run_as_one_group_and_equal_the_per_module_loop():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sibling_linears_run_as_one_group_and_equal_the_per_module_loop(fp8):
     """q/k/v and gate/up share one GEMM and one LoRA launch pair; the model's outputs equal the unwrapped model's
-    plus each module's own LoRA, for an adapter that skips some members (k, up) of a group."""
+    plus each module's own LoRA, for an adapter that skips some members (k, up) of a group. fp8: the same over
+    FP8 base weights (app/model/fp8.py, its float32 reference arithmetic on CPU)."""
     import copy
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY).eval()
+    if fp8:
+        assert quantize_linears(model, target_shapes(TINY)) == 7
     reference = copy.deepcopy(model)
     layout = PageLayout(target_shapes(TINY), max_rank=8, page_rows=4)
     lora = LoRASlots(model, layout, num_pages=6, num_slots=3, t_cap=8)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group and len(lora.groups) == 4
-    assert attn.k_proj.base.weight.data_ptr() == attn.q_proj.base.weight.data_ptr() + 16 * 16 * 4  # views of one
+    if fp8:  # views of one weight: its FP8 bytes and its scales
+        assert attn.k_proj.base.weight_q.data_ptr() == attn.q_proj.base.weight_q.data_ptr() + 16 * 16
+        assert attn.k_proj.base.weight_scale.data_ptr() == attn.q_proj.base.weight_scale.data_ptr() + 16 * 4
+    else:
+        assert attn.k_proj.base.weight.data_ptr() == attn.q_proj.base.weight.data_ptr() + 16 * 16 * 4
     gen = torch.Generator().manual_seed(1)
     skipped = ("k_proj", "up_proj")
     parts, dense = {}, {}

@@ -1,0 +1,147 @@
+"""FP8 base weights: the base model's linear projections in float8_e4m3fn with one scale per output channel, and
+activations quantized per token as each step runs. Adapters stay in the model's dtype and add their output to the
+FP8 GEMM's (app/model/lora.py), so adapter files, residency and hints do not change.
+
+The GEMM is cuBLASLt's through `torch._scaled_mm`, with row-wise scales: the activation's scale per row of x and
+the weight's per column of the output. `fp8_linear_reference` does the same arithmetic in float32 (dequantized
+operands, the same activation quantization): the tests hold the GEMM to it, and it is the only path on CPU, which
+has no FP8 GEMM; the engine refuses `quantization: fp8` there (app/engine/builder.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# A row of zeros gets this scale rather than 0, so that quantizing it divides by something and gives zeros.
+MIN_SCALE = 1e-12
+
+
+class Fp8Unsupported(ValueError):
+    """`quantization: fp8` on a device without an FP8 GEMM."""
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuses a device where `fp8_linear` has no GEMM: CPU, and GPUs before compute capability 8.9 (Ada, Hopper)."""
+    if device.type != "cuda":
+        raise Fp8Unsupported(f"quantization: fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or "
+                             f"more); the engine's device is {device.type}, which has no FP8 GEMM. Serve the base "
+                             "in its own dtype there (quantization: null).")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise Fp8Unsupported(f"quantization: fp8 needs FP8 tensor cores (compute capability 8.9 or more); "
+                             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (float8_e4m3fn [R, C], float32 scales [R, 1]) with x ≈ q * scale: each row's largest magnitude
+    maps to FP8's largest finite value (448), rounded to nearest."""
+    rows = x.float()
+    scale = (rows.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear's weight as FP8: q [out, in] float8_e4m3fn, scale [out] float32 (one per output channel)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
+        q, scale = quantize_rows(weight.detach())
+        return cls(q, scale.flatten())
+
+    @classmethod
+    def cat(cls, weights: list[Fp8Weight]) -> Fp8Weight:
+        """Siblings that read the same input, as one weight (their outputs side by side)."""
+        return cls(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+
+    def split(self, widths: list[int]) -> list[Fp8Weight]:
+        return [Fp8Weight(q, s) for q, s in zip(self.q.split(widths), self.scale.split(widths))]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias in x's dtype, with x quantized per token and W per output channel: one cuBLASLt FP8 GEMM."""
+    if x.device.type != "cuda":
+        return fp8_linear_reference(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_rows(x2)
+    y = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], bias=bias,
+                         out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], weight.q.shape[0])
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear's arithmetic in float32: the quantized activation and weight, dequantized, multiplied."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_rows(x2)
+    y = (q.float() * scale) @ weight.dequantize().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.q.shape[0])
+
+
+def base_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The base GEMM of a linear, whichever form its weight has."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear's place in the model with its weight in FP8 (`fp8`); the bias stays in the model's dtype."""
+
+    def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_q", weight.q)
+        self.register_buffer("weight_scale", weight.scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls(Fp8Weight.quantize(linear.weight), linear.bias)
+
+    @property
+    def fp8(self) -> Fp8Weight:
+        return Fp8Weight(self.weight_q, self.weight_scale)
+
+    def set_fp8(self, weight: Fp8Weight) -> None:
+        self.weight_q, self.weight_scale = weight.q, weight.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.fp8, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_linears(model: nn.Module, paths) -> int:
+    """Replace the nn.Linear at each module path (the architecture's projections, every layer) with an Fp8Linear;
+    returns how many. Embeddings, norms and lm_head keep the model's dtype."""
+    count = 0
+    for path in paths:
+        parent_name, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, name)
+        if type(linear) is not nn.Linear:
+            raise TypeError(f"{path} is {type(linear).__name__}, not torch.nn.Linear: it cannot be quantized to FP8")
+        setattr(parent, name, Fp8Linear.from_linear(linear))
+        count += 1
+    return count

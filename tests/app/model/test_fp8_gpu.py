@@ -1,0 +1,91 @@
+"""FP8 base weights on the device (marker `gpu`; compute capability 8.9 or more): cuBLASLt's FP8 GEMM equals the
+float32 arithmetic it stands for, eagerly and replayed in a CUDA graph, and an engine over an FP8 base serves the
+greedy tokens of the same FP8 base under PEFT's adapter arithmetic, for the base and three adapters in mixed
+batches, graphs on."""
+
+import pytest
+import torch
+from torch import nn
+
+from app.adapters.targets import target_shapes
+from app.model.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference
+from engine_helpers import agrees_up_to_near_tie, greedy, run_all
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU")]
+MAX_NEW = 12
+
+
+def operands(m: int, n_in: int = 256, n_out: int = 512):
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    linear = nn.Linear(n_in, n_out, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return x, Fp8Weight.quantize(linear.weight), linear.bias.detach()
+
+
+@pytest.mark.parametrize("m", [1, 7, 32, 129, 512])
+def test_the_fp8_gemm_equals_its_float32_arithmetic(m):
+    x, weight, bias = operands(m)
+    got = fp8_linear(x, weight, bias)
+    expected = fp8_linear_reference(x.float(), weight, bias).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, 512)
+    torch.testing.assert_close(got, expected, rtol=2 ** -7, atol=1e-2)  # bf16's rounding of the same sums
+
+
+def test_the_fp8_gemm_replays_in_a_cuda_graph():
+    x, weight, bias = operands(32)
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(static, weight, bias)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(static, weight, bias)
+    new, _, _ = operands(32)
+    static.copy_(new * 3)
+    graph.replay()
+    torch.testing.assert_close(out, fp8_linear(new * 3, weight, bias), rtol=0, atol=0)
+
+
+def fp8_peft_reference(root, adapter, prompt):
+    """The FP8 base through PEFT's adapter arithmetic: each projection's base output is fp8_linear_reference's,
+    computed from its input as the engine's GEMM sees it, and PEFT adds the adapter's from the same input."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.bfloat16).cuda()
+    for path in target_shapes(model.config):
+        linear = model.get_submodule(path)
+        weight = Fp8Weight.quantize(linear.weight)
+        linear.register_forward_hook(
+            lambda module, args, out, weight=weight: fp8_linear_reference(args[0].float(), weight, module.bias)
+            .to(out.dtype))
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
+    inputs = tokenizer(prompt, return_tensors="pt").to("cuda")
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0].float().cpu() for s in out.scores]
+
+
+def test_an_fp8_engine_serves_the_fp8_base_and_its_adapters_as_peft_computes_them(make_engine, graph_model,
+                                                                                      manifest):
+    names = ["a0", "a1", "a2"]
+    prompts = manifest["prompts"]
+    jobs = [(prompts[i % len(prompts)], ([None] + names)[i % 4]) for i in range(8)]
+    engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
+                         quantization="fp8", adapter_roots=(str(graph_model / "adapters"),), num_slots=4,
+                         compile_decode=False, max_prefill_tokens_per_step=16)
+    assert engine.runner.graphs
+    for name in names:
+        engine.register_adapter(name, str(graph_model / "adapters" / name))
+    requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
+    tokens = run_all(engine, check=True)
+    for (prompt, adapter), request in zip(jobs, requests):
+        got = tokens[request.request_id]
+        expected, scores = fp8_peft_reference(graph_model, adapter, prompt)
+        assert agrees_up_to_near_tie(got, expected, scores), (adapter, got, expected)

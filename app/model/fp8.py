@@ -82,8 +82,11 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
         return fp8_linear_reference(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     q, scale = quantize_rows(x2)
-    y = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], bias=bias,
-                         out_dtype=x.dtype)
+    # Row-wise scales: scale_a [T, 1] per token, scale_b [1, out] per output channel; weight.q.t() is the
+    # column-major operand cuBLASLt wants. The bias is added apart: not every build takes one with row-wise scales.
+    y = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
     return y.view(*x.shape[:-1], weight.q.shape[0])
 
 

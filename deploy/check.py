@@ -22,6 +22,7 @@ from app.adapters.registry import AdapterRegistry
 from app.adapters.uris import is_remote
 from app.errors import ServingError
 from app.model.architectures import UnsupportedModel, check_supported
+from app.model.fp8_checkpoint import fp8_scheme
 from deploy.args import AppArgs, discover_local
 
 BUILD_APP = "deploy.app:build_app"
@@ -83,6 +84,10 @@ def check_base_model(args: AppArgs) -> PretrainedConfig:
     except (OSError, ValueError) as e:
         raise ConfigProblem(f"base_model {args.base_model!r}: its config.json cannot be read ({e})") from None
     check_supported(config)  # UnsupportedModel, naming the model type
+    fp8 = "quantization: fp8" if args.quantization == "fp8" else "its FP8 checkpoint" if fp8_scheme(config)[0] else None
+    if fp8 and args.device == "cpu":
+        raise ConfigProblem(f"base_model {args.base_model!r}: {fp8} needs a CUDA GPU with FP8 tensor cores; "
+                            "device: cpu has no FP8 GEMM")
     return config
 
 

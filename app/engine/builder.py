@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from functools import partial
 
 import torch
@@ -24,6 +25,7 @@ from app.engine.model_runner import ModelRunner
 from app.model.architectures import check_supported
 from app.model.attention import PagedKVCache, kv_cache_blocks
 from app.model.fp8 import check_fp8_device, quantize_linears
+from app.model.fp8_checkpoint import dense_config, fp8_scheme, load_fp8_linears
 from app.model.lora import LoRASlots, pool_size
 from app.sampling.structured import GrammarCompiler
 from prefetch.layout import PageLayout
@@ -56,14 +58,22 @@ def build_parts(config: EngineConfig) -> EngineParts:
     dtype = config.torch_dtype(device)
     model_config = AutoConfig.from_pretrained(config.base_model)
     arch = check_supported(model_config)  # before the weights load: refused by name
-    if config.quantization == "fp8":
+    checkpoint, _ = fp8_scheme(model_config)  # an FP8 checkpoint's weights are served as they are
+    if config.quantization == "fp8" or checkpoint is not None:
         check_fp8_device(device)
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
-    model = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype).to(device).eval()
-    if config.quantization == "fp8":
+    model = AutoModelForCausalLM.from_pretrained(
+        config.base_model, config=model_config if checkpoint is None else dense_config(model_config),
+        dtype=dtype).to(device).eval()
+    if checkpoint is not None:
+        count = load_fp8_linears(model, Path(config.base_model), arch.target_shapes(model.config), checkpoint)
+        log.info("loaded %d FP8 linear projections (a scale per %s) from the checkpoint", count,
+                 checkpoint.weight_strategy)
+    elif config.quantization == "fp8":
         count = quantize_linears(model, arch.target_shapes(model.config))
-        torch.cuda.empty_cache()  # the dense weights' memory, for the adapter pool and the KV cache sized below
-        log.info("quantized %d linear projections to FP8 (per output channel)", count)
+        log.info("quantized %d linear projections to FP8 (a scale per output channel)", count)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # dense weights replaced by FP8 ones: for the adapter pool and KV cache sized below
     max_model_len = model.config.max_position_embeddings
     remote = any(is_remote(root) for root in config.adapter_roots)
     cache = NodeCache(config.adapter_cache_dir or default_directory(), config.adapter_cache_bytes) if remote else None

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from app.model.fp8_checkpoint import fp8_scheme
+
 
 class UnsupportedModel(ValueError):
     """The base model cannot be served exactly; raised at start-up."""
@@ -180,8 +182,9 @@ def _served() -> str:
 
 def _unsupported_features(arch: Architecture, config: PretrainedConfig) -> list[str]:
     problems = []
-    if getattr(config, "quantization_config", None):
-        problems.append("quantized weights (quantization_config): the LoRA layers run dense nn.Linear weights")
+    _, refused = fp8_scheme(config)
+    if refused:
+        problems.append(refused)
     if getattr(config, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention); the engine attends causally")
     layer_types = getattr(config, "layer_types", None) or ()

@@ -67,6 +67,12 @@ def test_a_folder_that_is_not_a_model_and_an_unsupported_architecture(tmp_path, 
     assert "bert" in found.lower() and "not served" in found
 
 
+def test_fp8_on_a_cpu_device_is_refused_before_ray_starts(tmp_path, demo_args):
+    found = problems(write_config(tmp_path / "bad.yaml", **demo_args, quantization="fp8"))
+    assert "quantization: fp8 needs a CUDA GPU with FP8 tensor cores; device: cpu has no FP8 GEMM" in found
+    assert "args.quantization:" in problems(write_config(tmp_path / "bad.yaml", **demo_args, quantization="int4"))
+
+
 def test_adapters_that_a_replica_would_refuse_are_named_with_the_reason(tmp_path, demo_args):
     root = tmp_path / "adapters"
     make_adapter(root / "wide", base=AutoConfig.from_pretrained(demo_args["base_model"]), r=32, lora_alpha=32)

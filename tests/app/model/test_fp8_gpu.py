@@ -89,3 +89,23 @@ def test_an_fp8_engine_serves_the_fp8_base_and_its_adapters_as_peft_computes_the
         got = tokens[request.request_id]
         expected, scores = fp8_peft_reference(graph_model, adapter, prompt)
         assert agrees_up_to_near_tie(got, expected, scores), (adapter, got, expected)
+
+
+def test_an_fp8_checkpoint_serves_as_its_dense_model_quantized_here(make_engine, graph_model, manifest, tmp_path):
+    """A compressed-tensors FP8 checkpoint of graph_model's base, served as it is, gives the tokens of the same
+    base quantized at load (up to a near tie: the checkpoint's scales come from the float32 weights, the engine's
+    from their bf16 copy)."""
+    pytest.importorskip("compressed_tensors")
+    from fp8_helpers import write_fp8_checkpoint
+
+    checkpoint = write_fp8_checkpoint(graph_model / "base", tmp_path / "fp8")
+    prompts = manifest["prompts"]
+    jobs = [(prompts[i % len(prompts)], (None, "a2")[i % 2]) for i in range(4)]
+    engine = make_engine(register=False, base_model=str(checkpoint), device="cuda", dtype="bfloat16",
+                         adapter_roots=(str(graph_model / "adapters"),), num_slots=4, compile_decode=False)
+    engine.register_adapter("a2", str(graph_model / "adapters" / "a2"))
+    requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
+    tokens = run_all(engine, check=True)
+    for (prompt, adapter), request in zip(jobs, requests):
+        expected, scores = fp8_peft_reference(graph_model, adapter, prompt)
+        assert agrees_up_to_near_tie(tokens[request.request_id], expected, scores), (adapter, prompt)

@@ -53,8 +53,10 @@ def engine_config(args, base: Path, adapter_dir: Path):
         default = getattr(defaults, key)
         if isinstance(default, bool):
             wanted[key] = text.lower() in ("1", "true", "yes")
-        else:  # a field whose default is None is an int (kv_cache_bytes, max_prefill_tokens_per_step, ...)
-            wanted[key] = int(text) if default is None else type(default)(text)
+        elif default is None:  # an int (kv_cache_bytes, max_prefill_tokens_per_step, ...) or a name (quantization)
+            wanted[key] = int(text) if text.isdigit() else text
+        else:
+            wanted[key] = type(default)(text)
     skipped = sorted(k for k in wanted if k not in fields)
     return EngineConfig(**{k: v for k, v in wanted.items() if k in fields}), skipped
 

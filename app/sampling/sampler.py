@@ -122,9 +122,14 @@ def sample_batch(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int
     row's grammar mask (app/sampling/structured.py) apply before the choice; logprobs read the raw values.
     Everything comes back in one device-to-host copy: the step's one sync.
     """
-    rows = RowParams.from_params([r.params for r in requests], [r.seed for r in requests],
-                                 [len(r.output_ids) for r in requests], logits.device)
-    tokens = sample_rows(apply_grammars(apply_penalties(logits, requests, eos_ids), requests), rows)  # [B]
+    params = [r.params for r in requests]
+    chosen_from = apply_grammars(apply_penalties(logits, requests, eos_ids), requests)
+    if all(p.is_greedy for p in params):  # sample_rows' choice for greedy rows, without its per-row device tensors
+        tokens = chosen_from.argmax(-1)  # [B]
+    else:
+        rows = RowParams.from_params(params, [r.seed for r in requests], [len(r.output_ids) for r in requests],
+                                     logits.device)
+        tokens = sample_rows(chosen_from, rows)  # [B]
     ks = [r.params.logprobs for r in requests]
     k = max((k for k in ks if k is not None), default=None)
     parts = [tokens.double()]

@@ -140,11 +140,9 @@ def quantize_linears(model: nn.Module, paths) -> int:
     returns how many. Embeddings, norms and lm_head keep the model's dtype."""
     count = 0
     for path in paths:
-        parent_name, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, name)
+        linear = model.get_submodule(path)
         if type(linear) is not nn.Linear:
             raise TypeError(f"{path} is {type(linear).__name__}, not torch.nn.Linear: it cannot be quantized to FP8")
-        setattr(parent, name, Fp8Linear.from_linear(linear))
+        model.set_submodule(path, Fp8Linear.from_linear(linear))
         count += 1
     return count

@@ -9,6 +9,7 @@ name, as the start-up check refuses every feature the engine does not compute ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -92,22 +93,28 @@ def load_fp8_linears(model: nn.Module, folder: Path, paths, scheme: Fp8Scheme) -
     and scale, on the model's device; returns how many."""
     files = _tensor_files(Path(folder))
     count = 0
-    for path in paths:
-        if not scheme.quantized(path):
-            continue
-        parent_name, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        dense = getattr(parent, name)
-        q, scale = _read(files, f"{path}.weight"), _read(files, f"{path}.weight_scale").float().flatten()
-        if q.dtype != FP8 or q.shape != dense.weight.shape:
-            raise ValueError(f"{path}.weight is {q.dtype} {list(q.shape)}; float8_e4m3fn "
-                             f"{list(dense.weight.shape)} was expected")
-        if scale.numel() not in (1, q.shape[0]):
-            raise ValueError(f"{path}.weight_scale has {scale.numel()} values; 1 or {q.shape[0]} were expected")
-        device = dense.weight.device
-        weight = Fp8Weight(q.to(device), scale.expand(q.shape[0]).contiguous().to(device))
-        setattr(parent, name, Fp8Linear(weight, dense.bias))
-        count += 1
+    with contextlib.ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(file, "pt")) for file in set(files.values())}
+
+        def read(name: str) -> torch.Tensor:
+            if name not in files:
+                raise ValueError(f"the checkpoint has no tensor {name}")
+            return opened[files[name]].get_tensor(name)
+
+        for path in paths:
+            if not scheme.quantized(path):
+                continue
+            dense = model.get_submodule(path)
+            q, scale = read(f"{path}.weight"), read(f"{path}.weight_scale").float().flatten()
+            if q.dtype != FP8 or q.shape != dense.weight.shape:
+                raise ValueError(f"{path}.weight is {q.dtype} {list(q.shape)}; float8_e4m3fn "
+                                 f"{list(dense.weight.shape)} was expected")
+            if scale.numel() not in (1, q.shape[0]):
+                raise ValueError(f"{path}.weight_scale has {scale.numel()} values; 1 or {q.shape[0]} were expected")
+            device = dense.weight.device
+            weight = Fp8Weight(q.to(device), scale.expand(q.shape[0]).contiguous().to(device))
+            model.set_submodule(path, Fp8Linear(weight, dense.bias))
+            count += 1
     return count
 
 
@@ -118,10 +125,3 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
     with safe_open(folder / WEIGHTS_FILE, "pt") as f:
         return dict.fromkeys(f.keys(), folder / WEIGHTS_FILE)
-
-
-def _read(files: dict[str, Path], name: str) -> torch.Tensor:
-    if name not in files:
-        raise ValueError(f"the checkpoint has no tensor {name}")
-    with safe_open(files[name], "pt") as f:
-        return f.get_tensor(name)

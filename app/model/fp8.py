@@ -15,10 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# A row of zeros gets this scale rather than 0, so that quantizing it divides by something and gives zeros.
-MIN_SCALE = 1e-12
+from app.model.kernels.fp8_quant import FP8, FP8_MAX, MIN_SCALE, quantize_rows_fused, triton
 
 
 class Fp8Unsupported(ValueError):
@@ -81,7 +78,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     if x.device.type != "cuda":
         return fp8_linear_reference(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_rows(x2)
+    q, scale = quantize_rows_fused(x2) if triton is not None else quantize_rows(x2)
     # Row-wise scales: scale_a [T, 1] per token, scale_b [1, out] per output channel; weight.q.t() is the
     # column-major operand cuBLASLt wants. The bias is added apart: not every build takes one with row-wise scales.
     y = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)

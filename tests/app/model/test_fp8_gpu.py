@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from app.adapters.targets import target_shapes
-from app.model.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference
+from app.model.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference, quantize_rows
+from app.model.kernels.fp8_quant import quantize_rows_fused
 from engine_helpers import agrees_up_to_near_tie, greedy, run_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -30,6 +31,21 @@ def test_the_fp8_gemm_equals_its_float32_arithmetic(m):
     expected = fp8_linear_reference(x.float(), weight, bias).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 512)
     torch.testing.assert_close(got, expected, rtol=2 ** -7, atol=1e-2)  # bf16's rounding of the same sums
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(0, 64), (1, 4096), (33, 5000), (130, 14336)])
+def test_the_fused_quantization_equals_quantize_rows_bit_for_bit(dtype, rows, cols):
+    gen = torch.Generator(device="cuda").manual_seed(rows * cols)
+    magnitudes = torch.logspace(-6, 4, max(rows, 1), device="cuda")[:rows, None]  # tiny rows to huge ones
+    x = (torch.randn(rows, cols + 8, device="cuda", generator=gen) * magnitudes).to(dtype)[:, 4:cols + 4]
+    if rows > 2:
+        x[1] = 0  # a row of zeros quantizes to zeros under MIN_SCALE
+    q, scale = quantize_rows_fused(x)
+    expected_q, expected_scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, cols) and scale.shape == (rows, 1)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
 
 
 def test_the_fp8_gemm_replays_in_a_cuda_graph():

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.model.kernels.fp8_quant import FP8, FP8_MAX, MIN_SCALE, quantize_rows_fused, triton
+from app.model.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows_fused, rescale_rows_columns, triton
+
+# Up to this many rows (tokens), fp8_linear runs the tensor-wise GEMM and rescales its float32 output; above, the
+# row-wise GEMM (bench/kernel/fp8.py times both).
+SMALL_BATCH_ROWS = 128
 
 
 class Fp8Unsupported(ValueError):
@@ -38,7 +42,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (float8_e4m3fn [R, C], float32 scales [R, 1]) with x ≈ q * scale: each row's largest magnitude
     maps to FP8's largest finite value (448), rounded to nearest."""
     rows = x.float()
-    scale = (rows.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    # times float32(1 / 448) rather than divided by 448, as the fused kernel computes it (bit for bit)
+    scale = (rows.abs().amax(dim=-1, keepdim=True) * (1 / FP8_MAX)).clamp(min=MIN_SCALE)
     return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -78,13 +83,31 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     if x.device.type != "cuda":
         return fp8_linear_reference(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_rows_fused(x2) if triton is not None else quantize_rows(x2)
+    if triton is None:
+        q, scale = quantize_rows(x2)
+    else:
+        q, scale = quantize_rows_fused(x2)
+        if x2.shape[0] <= SMALL_BATCH_ROWS:
+            # Unit scales: the GEMM sums q_x * q_w in float32, rescale_rows_columns applies both scales and the bias.
+            unit = _unit_scale(x.device)
+            acc = torch._scaled_mm(q, weight.q.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+            return rescale_rows_columns(acc, scale, weight.scale, bias, x.dtype).view(*x.shape[:-1], -1)
     # Row-wise scales: scale_a [T, 1] per token, scale_b [1, out] per output channel; weight.q.t() is the
     # column-major operand cuBLASLt wants. The bias is added apart: not every build takes one with row-wise scales.
     y = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.q.shape[0])
+
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1 on the device, made once (CUDA graphs capture its address)."""
+    if device not in _UNIT_SCALES:
+        _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _UNIT_SCALES[device]
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,10 +3,12 @@ runs (q/k/v fused, o, gate/up fused, down) in one CUDA graph, per batch of M tok
 
     python -m bench.kernel.fp8 [--out-dir bench/results]     # CUDA with FP8 tensor cores only
 
-Variants per M: `bf16` (F.linear), `fp8` (app.model.fp8.fp8_linear: the fused per-token quantization, then
-torch._scaled_mm with row-wise scales), `fp8_torch_quantization` (the same GEMM after quantize_rows' seven plain
-torch kernels), `fp8_gemm` (the GEMM alone on quantized operands), `fp8_gemm_tensorwise` (the GEMM alone with one
-scale per operand, the other scaling cuBLASLt offers), `quantization` (the fused quantization alone).
+Variants per M: `bf16` (F.linear); `fp8` (app.model.fp8.fp8_linear as the engine runs it: the fused per-token
+quantization, then up to SMALL_BATCH_ROWS tokens the tensor-wise GEMM into float32 and the fused rescale, above
+them torch._scaled_mm with row-wise scales); `fp8_rowwise` (the fused quantization and the row-wise GEMM at every
+M); `fp8_torch_quantization` (the row-wise GEMM after quantize_rows' seven plain torch kernels); the GEMMs alone on
+quantized operands: `gemm_rowwise`, `gemm_tensorwise` (bf16 out), `gemm_tensorwise_float32`; `quantization` (the
+fused quantization alone).
 floor_ms: the weights' bytes (bf16, or FP8 plus its scales) over the HBM read rate measured in the same run.
 """
 
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from app.model.fp8 import Fp8Weight, fp8_linear, quantize_rows
-from app.model.kernels.fp8_quant import quantize_rows_fused
+from app.model.kernels.fp8 import quantize_rows_fused
 from bench.common import RESULTS, write_result
 from bench.kernel.lora import hbm_read_rate, median_ms
 
@@ -30,8 +32,8 @@ LAYERS = 32
 TOKENS = [1, 16, 32, 64, 128, 256, 512, 2048]
 
 
-def torch_quantized_linear(x, weight: Fp8Weight):
-    q, scale = quantize_rows(x)
+def rowwise_linear(x, weight: Fp8Weight, quantize=quantize_rows_fused):
+    q, scale = quantize(x)
     return torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
 
 
@@ -61,15 +63,21 @@ def run(rate: float) -> list[dict]:
         def each(fn):
             return lambda: [fn(name, k, layer) for layer in range(LAYERS) for name, (k, _) in GROUPS.items()]
 
+        def gemm(name, k, layer, scale_a=None, scale_b=None, out_dtype=torch.bfloat16):
+            weight = fp8[layer][name]
+            return torch._scaled_mm(quantized[k][0], weight.q.t(), out_dtype=out_dtype,
+                                    scale_a=quantized[k][1] if scale_a is None else scale_a,
+                                    scale_b=weight.scale[None, :] if scale_b is None else scale_b)
+
         variants = {
             "bf16": each(lambda name, k, layer: F.linear(xs[k], bf16[layer][name])),
             "fp8": each(lambda name, k, layer: fp8_linear(xs[k], fp8[layer][name])),
-            "fp8_torch_quantization": each(lambda name, k, layer: torch_quantized_linear(xs[k], fp8[layer][name])),
-            "fp8_gemm": each(lambda name, k, layer: torch._scaled_mm(
-                quantized[k][0], fp8[layer][name].q.t(), scale_a=quantized[k][1],
-                scale_b=fp8[layer][name].scale[None, :], out_dtype=torch.bfloat16)),
-            "fp8_gemm_tensorwise": each(lambda name, k, layer: torch._scaled_mm(
-                quantized[k][0], fp8[layer][name].q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)),
+            "fp8_rowwise": each(lambda name, k, layer: rowwise_linear(xs[k], fp8[layer][name])),
+            "fp8_torch_quantization": each(lambda name, k, layer: rowwise_linear(xs[k], fp8[layer][name],
+                                                                                 quantize_rows)),
+            "gemm_rowwise": each(gemm),
+            "gemm_tensorwise": each(lambda name, k, layer: gemm(name, k, layer, one, one)),
+            "gemm_tensorwise_float32": each(lambda name, k, layer: gemm(name, k, layer, one, one, torch.float32)),
             "quantization": each(lambda name, k, layer: quantize_rows_fused(xs[k])),
         }
         line = dict(tokens=m, floor_ms={"bf16": bf16_bytes / rate * 1e3, "fp8": fp8_bytes / rate * 1e3})

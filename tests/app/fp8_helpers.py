@@ -30,7 +30,7 @@ def write_fp8_checkpoint(dense: Path, out: Path, strategy: str = "channel") -> P
             if hasattr(module, "weight_scale"):
                 weight = module.weight.abs()
                 amax = weight.amax(dim=1) if strategy == "channel" else weight.amax()
-                module.weight_scale.copy_((amax / FP8_MAX).reshape(module.weight_scale.shape))
+                module.weight_scale.copy_((amax * (1 / FP8_MAX)).reshape(module.weight_scale.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
     compressor.compress_model(model)
     model.save_pretrained(out)

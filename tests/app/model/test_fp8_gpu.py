@@ -9,7 +9,7 @@ from torch import nn
 
 from app.adapters.targets import target_shapes
 from app.model.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference, quantize_rows
-from app.model.kernels.fp8_quant import quantize_rows_fused
+from app.model.kernels.fp8 import quantize_rows_fused
 from engine_helpers import agrees_up_to_near_tie, greedy, run_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(

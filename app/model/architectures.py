@@ -53,6 +53,10 @@ class Target:
     name: str
     block: str  # its parent in the decoder layer
     shape: Callable[[Dims], tuple[int, int]]  # (in_features, out_features)
+    # Tensor parallelism (app/model/tensor_parallel.py): "column" shards the output, "row" the input; parts: the
+    # sharded dimension's pieces ("q": query heads, "kv": key/value heads, "inter": MLP columns), each sharded alone.
+    split: str = "column"
+    parts: tuple[str, ...] = ()
 
 
 def every_layer(config: PretrainedConfig) -> list[int | None]:
@@ -109,15 +113,15 @@ class Architecture:
 
 
 Q_K_V_O = (
-    Target("q_proj", "self_attn", lambda d: (d.hidden, d.q)),
-    Target("k_proj", "self_attn", lambda d: (d.hidden, d.kv)),
-    Target("v_proj", "self_attn", lambda d: (d.hidden, d.kv)),
-    Target("o_proj", "self_attn", lambda d: (d.q, d.hidden)),
+    Target("q_proj", "self_attn", lambda d: (d.hidden, d.q), "column", ("q",)),
+    Target("k_proj", "self_attn", lambda d: (d.hidden, d.kv), "column", ("kv",)),
+    Target("v_proj", "self_attn", lambda d: (d.hidden, d.kv), "column", ("kv",)),
+    Target("o_proj", "self_attn", lambda d: (d.q, d.hidden), "row", ("q",)),
 )
 GATE_UP_DOWN = (
-    Target("gate_proj", "mlp", lambda d: (d.hidden, d.inter)),
-    Target("up_proj", "mlp", lambda d: (d.hidden, d.inter)),
-    Target("down_proj", "mlp", lambda d: (d.inter, d.hidden)),
+    Target("gate_proj", "mlp", lambda d: (d.hidden, d.inter), "column", ("inter",)),
+    Target("up_proj", "mlp", lambda d: (d.hidden, d.inter), "column", ("inter",)),
+    Target("down_proj", "mlp", lambda d: (d.inter, d.hidden), "row", ("inter",)),
 )
 QKV_AND_GATE_UP = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -140,10 +144,10 @@ ARCHITECTURES = (
                  scaled_embeddings=True),
     # Phi-3's projections come fused in the checkpoint, and PEFT puts one LoRA on each fused linear.
     Architecture("Phi-3", ("phi3",), (
-        Target("qkv_proj", "self_attn", lambda d: (d.hidden, d.q + 2 * d.kv)),
-        Target("o_proj", "self_attn", lambda d: (d.q, d.hidden)),
-        Target("gate_up_proj", "mlp", lambda d: (d.hidden, 2 * d.inter)),
-        Target("down_proj", "mlp", lambda d: (d.inter, d.hidden)),
+        Target("qkv_proj", "self_attn", lambda d: (d.hidden, d.q + 2 * d.kv), "column", ("q", "kv", "kv")),
+        Target("o_proj", "self_attn", lambda d: (d.q, d.hidden), "row", ("q",)),
+        Target("gate_up_proj", "mlp", lambda d: (d.hidden, 2 * d.inter), "column", ("inter", "inter")),
+        Target("down_proj", "mlp", lambda d: (d.inter, d.hidden), "row", ("inter",)),
     ), layer_windows=every_layer),
 )
 MODEL_TYPE_TO_ARCHITECTURE = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}

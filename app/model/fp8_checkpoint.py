@@ -91,7 +91,7 @@ def dense_config(config):
 def load_fp8_linears(model: nn.Module, folder: Path, paths, scheme: Fp8Scheme) -> int:
     """Each projection at `paths` that the scheme quantizes becomes an Fp8Linear of the checkpoint's own FP8 weight
     and scale, on the model's device; returns how many."""
-    files = _tensor_files(Path(folder))
+    files = tensor_files(Path(folder))
     count = 0
     with contextlib.ExitStack() as stack:
         opened = {file: stack.enter_context(safe_open(file, "pt")) for file in set(files.values())}
@@ -118,7 +118,7 @@ def load_fp8_linears(model: nn.Module, folder: Path, paths, scheme: Fp8Scheme) -
     return count
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
+def tensor_files(folder: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file that holds it."""
     index = folder / WEIGHTS_INDEX
     if index.is_file():

@@ -18,20 +18,32 @@ a row-parallel target keeps its rank's columns of A and B whole. A row-parallel 
 ranks is `(x @ Aᵀ) @ Bᵀ` and the base projection's one all-reduce carries both (no second collective for the
 rank-r shrink result).
 
-After `shard_model`, the model's config holds the rank's local head counts and MLP width, so the model's own code
-and `target_shapes(config)` see the local shapes; `ShardPlan` keeps the global ones.
+`load_shard` builds the rank's model at its local sizes and reads only its shard of each projection from the
+checkpoint's safetensors files (`safe_open(...).get_slice`), so no worker ever holds the whole base;
+`shard_model` shards a model already loaded whole. Either way the model's config then holds the rank's head counts
+and MLP width, so the model's own code and `target_shapes(config)` see the local shapes; `ShardPlan` keeps the
+global ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from app.model.architectures import Architecture, Dims, UnsupportedModel, head_dim
+from app.model.fp8_checkpoint import fp8_scheme, tensor_files
+
+try:
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers releases before the module moved
+    from transformers.modeling_utils import no_init_weights
 
 
 @dataclass(frozen=True)
@@ -159,12 +171,71 @@ def shard_model(model: nn.Module, arch: Architecture, tp: TensorParallel) -> Sha
     return plan
 
 
-def _localize(model: nn.Module, arch: Architecture, config: PretrainedConfig, plan: ShardPlan) -> None:
-    """The config and attention modules with the rank's head counts and MLP width (the head size stays)."""
+def load_shard(folder: Path, config: PretrainedConfig, arch: Architecture, tp: TensorParallel,
+               dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ShardPlan]:
+    """The model of rank tp.rank, built at its local sizes on `device`, with only its shard of each projection read
+    from the checkpoint in `folder`."""
+    if fp8_scheme(config)[0] is not None:
+        raise UnsupportedModel(f"tensor_parallel_size {tp.size} with an FP8 checkpoint is not served; serve it with "
+                               "tensor_parallel_size 1, or its bf16 weights with quantization: fp8")
+    plan = ShardPlan(arch, config, tp)
+    local = type(config).from_dict(config.to_dict())
+    _localize_config(local, plan)
+    with no_init_weights(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(local, dtype=dtype)
+    files = tensor_files(Path(folder))
+    tied = {"lm_head.weight"} if getattr(local, "tie_word_embeddings", False) else set()
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        opened = {file: stack.enter_context(safe_open(file, "pt")) for file in set(files.values())}
+        for name, tensor in model.state_dict().items():
+            if name not in files:
+                if name in tied:
+                    continue
+                raise ValueError(f"the checkpoint in {folder} has no tensor {name}")
+            module, _, leaf = name.rpartition(".")
+            tensor.copy_(_read_shard(opened[files[name]].get_slice(name), plan.splits.get(module), leaf))
+    for path, split in plan.splits.items():
+        if split.kind == "row":
+            linear = model.get_submodule(path)
+            model.set_submodule(path, RowParallelLinear(linear.weight.detach(), None if linear.bias is None
+                                                        else linear.bias.detach(), tp))
+    if tied:
+        model.tie_weights()
+    return model.eval(), plan
+
+
+def _read_shard(tensor_slice, split: Split | None, leaf: str) -> torch.Tensor:
+    """The rows (column-parallel, and their biases) or columns (row-parallel weights) of `split`, one read per
+    contiguous run of indices; the whole tensor where the module is not sharded or for a row-parallel bias."""
+    if split is None or (split.kind == "row" and leaf == "bias"):
+        return tensor_slice[:]
+    runs = _runs(split.index.tolist())
+    if split.kind == "column":
+        return torch.cat([tensor_slice[start:stop] for start, stop in runs])
+    return torch.cat([tensor_slice[:, start:stop] for start, stop in runs], dim=1)
+
+
+def _runs(index: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive indices, in order."""
+    runs = []
+    for i in index:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _localize_config(config: PretrainedConfig, plan: ShardPlan) -> None:
     config.head_dim = head_dim(config)
     config.num_attention_heads = plan.local_heads
     config.num_key_value_heads = plan.local_kv_heads
     config.intermediate_size = plan.local_inter
+
+
+def _localize(model: nn.Module, arch: Architecture, config: PretrainedConfig, plan: ShardPlan) -> None:
+    """The config and attention modules with the rank's head counts and MLP width (the head size stays)."""
+    _localize_config(config, plan)
     for layer in model.get_submodule(arch.layers):
         attention = layer.self_attn
         attention.num_key_value_groups = plan.local_heads // plan.local_kv_heads

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from app.adapters.targets import target_shapes
 from app.model.architectures import check_supported
 from app.model.lora import LoRAMetadata, LoRASlots, segments
-from app.model.tensor_parallel import TensorParallel, shard_model
+from app.model.tensor_parallel import TensorParallel, load_shard, shard_model
 from arch_helpers import case_config
 from prefetch.layout import PageLayout
 
@@ -50,14 +50,22 @@ def build(name: str, overrides: dict):
     return model, peft.eval(), adapter, arch
 
 
-def logits_errors(name: str, overrides: dict, tp: TensorParallel) -> dict:
+def logits_errors(name: str, overrides: dict, tp: TensorParallel, checkpoint: Path | None) -> dict:
     """Largest differences from the unsharded logits: the base row against the base model, the adapter row
-    against PEFT."""
+    against PEFT. With a checkpoint folder, the rank reads its shard from the model saved there (load_shard);
+    without, it shards the whole model (shard_model)."""
     model, peft, adapter, arch = build(name, overrides)
     ids = torch.randint(3, 1000, (2, PROMPT), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         base_logits, peft_logits = model(ids).logits, peft(ids).logits
-    plan = shard_model(model, arch, tp)
+    if checkpoint is None:
+        plan = shard_model(model, arch, tp)
+    else:
+        if tp.rank == 0:  # every rank built the same model; transformers saves on rank 0 alone
+            model.save_pretrained(checkpoint)
+        dist.barrier()
+        model, plan = load_shard(checkpoint, model.config, arch, tp, torch.float32, torch.device("cpu"))
+        model.config._attn_implementation = "eager"
     layout = PageLayout(target_shapes(model.config), max_rank=RANK, page_rows=RANK)
     lora = LoRASlots(model, layout, num_pages=2, num_slots=1, t_cap=2 * PROMPT)
     parts = {}
@@ -80,7 +88,8 @@ def worker(rank: int, size: int, init_file: str, cases: list, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
         tp = TensorParallel(rank, size)
-        results = {case: logits_errors(name, overrides, tp) for case, name, overrides in cases}
+        results = {case: logits_errors(name, overrides, tp, Path(f"{out}-{case}") if from_checkpoint else None)
+                   for case, name, overrides, from_checkpoint in cases}
         Path(f"{out}.{rank}").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,9 @@
-"""Tensor parallelism on CPU: how each projection and adapter is sharded, the sizes refused by name, and two
-workers in a real gloo process group whose sharded forward, with an adapter on every target, gives the unsharded
-model's logits (the adapter row: PEFT's) within float32's summation-order error."""
+"""Tensor parallelism on CPU: how each projection and adapter is sharded, the sizes refused by name, a worker that
+reads only its shard from a checkpoint, and two workers in a real gloo process group whose sharded forward, with an
+adapter on every target, gives the unsharded model's logits (the adapter row: PEFT's) within float32's
+summation-order error."""
 
+import copy
 import json
 
 import pytest
@@ -9,20 +11,22 @@ import torch
 import torch.multiprocessing as mp
 
 from app.model.architectures import UnsupportedModel, check_supported
-from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_parallel
+from app.model.tensor_parallel import (RowParallelLinear, ShardPlan, TensorParallel, check_tensor_parallel, load_shard,
+                                       shard_model)
 from arch_helpers import case_config
-from tp_helpers import worker
+from tp_helpers import build, worker
 
 # case -> (architecture case, config overrides): q/k/v and MLP biases (the row-parallel down_proj's bias is added
 # once), Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2's soft-capping and windows, Phi-3's fused projections, and
-# one key/value head replicated over both ranks.
+# one key/value head replicated over both ranks; the last field: whether the workers read their shards from a
+# saved checkpoint (load_shard) rather than shard the whole model (shard_model).
 CASES = {
-    "llama-biases": ("llama-biases", dict(mlp_bias=True)),
-    "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),
-    "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", {}),
-    "gemma2": ("gemma2", {}),
-    "phi3": ("phi3", {}),
+    "llama-biases": ("llama-biases", dict(mlp_bias=True), True),
+    "llama-one-kv-head": ("llama", dict(num_key_value_heads=1), True),
+    "qwen2": ("qwen2", {}, False),
+    "qwen3": ("qwen3", {}, False),
+    "gemma2": ("gemma2", {}, False),
+    "phi3": ("phi3", {}, True),
 }
 
 
@@ -74,10 +78,30 @@ def test_a_size_that_cannot_shard_the_model_is_refused_by_name(heads, kv_heads, 
         check_tensor_parallel(config, size)
 
 
+@pytest.mark.parametrize("case", ["llama-biases", "llama-one-kv-head", "phi3"])
+def test_a_worker_reads_only_its_shard_and_holds_what_sharding_the_whole_model_gives(case, tmp_path):
+    name, overrides, _ = CASES[case]
+    model, _, _, arch = build(name, overrides)
+    model.save_pretrained(tmp_path)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        loaded, plan = load_shard(tmp_path, copy.deepcopy(model.config), arch, tp, torch.float32, torch.device("cpu"))
+        whole = copy.deepcopy(model)
+        shard_model(whole, arch, tp)
+        expected = whole.state_dict()
+        assert loaded.state_dict().keys() == expected.keys()
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, expected[key]), key
+        row = plan.splits["model.layers.1.mlp.down_proj"]
+        assert row.kind == "row" and isinstance(loaded.get_submodule("model.layers.1.mlp.down_proj"), RowParallelLinear)
+        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
+            assert getattr(loaded.config, field) == getattr(whole.config, field), field
+
+
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp")
-    cases = [(case, name, overrides) for case, (name, overrides) in CASES.items()]
+    cases = [(case, *spec) for case, spec in CASES.items()]
     mp.spawn(worker, args=(2, str(folder / "init"), cases, str(folder / "result")), nprocs=2, join=True)
     return [json.loads((folder / f"result.{rank}").read_text()) for rank in range(2)]
 

@@ -37,7 +37,10 @@ def replica_options(args: AppArgs) -> dict:
     options = {
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": args.max_ongoing_requests or 2 * args.max_batch_size,
-        "ray_actor_options": {**({"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": 0.5}),
+        # A tensor-parallel replica holds its GPUs as one bundle: Ray makes them its CUDA_VISIBLE_DEVICES, and its
+        # engine's workers (app/engine/workers.py) take cuda:1 onwards.
+        "ray_actor_options": {**({"num_gpus": args.tensor_parallel_size, "num_cpus": args.tensor_parallel_size}
+                                 if wants_gpu else {"num_cpus": 0.5 * args.tensor_parallel_size}),
                               "runtime_env": {"env_vars": SINGLE_LOOP_ENV}},
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": GRACE_S,

@@ -24,3 +24,8 @@ def target_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     """module path -> (in_features, out_features) for every target of the base model, as PEFT names the module
     after its prefix; UnsupportedModel if the model is not served."""
     return check_supported(config).target_shapes(config)
+
+
+def pool_shapes(shapes: dict[str, tuple[int, int]], target_modules) -> dict[str, tuple[int, int]]:
+    """The shapes of `shapes` whose module name is one of `target_modules`: those the adapter pool holds pages for."""
+    return {module: shape for module, shape in shapes.items() if module.rsplit(".", 1)[1] in target_modules}

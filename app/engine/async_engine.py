@@ -20,6 +20,7 @@ from operator import methodcaller
 from typing import AsyncIterator, Callable
 
 from app.engine.engine import LLMEngine
+from app.engine.workers import WorkerLost
 from app.errors import EngineUnavailable, ServingError
 from app.engine.request import RequestOutput
 from app.sampling.params import SamplingParams
@@ -119,6 +120,7 @@ class AsyncEngine(EngineStreams):
         self._awaiting_first: set[str] = set()  # engine thread only: requests added, no output delivered yet
         self._stepped_at: float | None = None  # engine thread only: when the last step ended, requests remaining
         self._stepped_cpu = 0.0  # engine thread only: the thread's CPU time then
+        self.lost: WorkerLost | None = None  # set when a tensor-parallel worker ended and the loop with it
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -231,6 +233,11 @@ class AsyncEngine(EngineStreams):
             self.engine.timing.between(started - self._stepped_at, cpu - self._stepped_cpu)
         try:
             outputs = self.engine.step()
+        except WorkerLost as e:  # no step can run again: fail what is in flight and end the loop (health check)
+            log.exception("engine step failed")
+            outputs = self._fail_all(e)
+            self.lost = e
+            self._stopped.set()
         except Exception as e:  # a bug or device fault: fail what is in flight, keep serving
             log.exception("engine step failed")
             outputs = self._fail_all(e)

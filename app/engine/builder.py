@@ -18,15 +18,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from app.adapters.node_cache import NodeCache, default_directory
 from app.adapters.registry import AdapterRegistry
 from app.adapters.uris import is_remote
-from app.adapters.targets import target_shapes
+from app.adapters.targets import pool_shapes, target_shapes
 from app.engine.config import EngineConfig
 from app.engine.kv_blocks import BlockManager
 from app.engine.model_runner import ModelRunner
-from app.model.architectures import check_supported
+from app.engine.workers import Sizes, Workers, check_tensor_parallel_config, shard_parts
+from app.model.architectures import UnsupportedModel, check_supported
 from app.model.attention import PagedKVCache, kv_cache_blocks
 from app.model.fp8 import check_fp8_device, quantize_linears
 from app.model.fp8_checkpoint import dense_config, fp8_scheme, load_fp8_linears
 from app.model.lora import LoRASlots, pool_size
+from app.model.tensor_parallel import TensorParallel, load_shard
 from app.sampling.structured import GrammarCompiler
 from prefetch.layout import PageLayout
 from prefetch.residency import Residency
@@ -62,9 +64,16 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if config.quantization == "fp8" or checkpoint is not None:
         check_fp8_device(device)
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
-    model = AutoModelForCausalLM.from_pretrained(
-        config.base_model, config=model_config if checkpoint is None else dense_config(model_config),
-        dtype=dtype).to(device).eval()
+    workers, plan = None, None
+    if config.tensor_parallel_size > 1:
+        _check_tensor_parallel(config, model_config, checkpoint)
+        workers = Workers.start(config)  # the other ranks load their shards meanwhile
+        model, plan = load_shard(Path(config.base_model), model_config, arch,
+                                 TensorParallel(0, config.tensor_parallel_size), dtype, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            config.base_model, config=model_config if checkpoint is None else dense_config(model_config),
+            dtype=dtype).to(device).eval()
     if checkpoint is not None:
         count = load_fp8_linears(model, Path(config.base_model), arch.target_shapes(model.config), checkpoint)
         log.info("loaded %d FP8 linear projections (a scale per %s) from the checkpoint", count,
@@ -77,26 +86,32 @@ def build_parts(config: EngineConfig) -> EngineParts:
     max_model_len = model.config.max_position_embeddings
     remote = any(is_remote(root) for root in config.adapter_roots)
     cache = NodeCache(config.adapter_cache_dir or default_directory(), config.adapter_cache_bytes) if remote else None
-    registry = AdapterRegistry(
-        config.adapter_roots, model.config, config.max_rank, config.max_adapter_bytes, config.target_modules,
+    registry = AdapterRegistry(  # adapters are checked against the whole model's shapes, not a shard's
+        config.adapter_roots, model_config, config.max_rank, config.max_adapter_bytes, config.target_modules,
         cache=cache, fetch_workers=config.adapter_fetch_workers, fetch_timeout_s=config.adapter_fetch_timeout_s,
     )
-    shapes = {m: s for m, s in target_shapes(model.config).items() if m.rsplit(".", 1)[1] in config.target_modules}
-    layout = PageLayout(shapes, config.max_rank, config.adapter_page_rows)
+    layout = PageLayout(pool_shapes(target_shapes(model.config), config.target_modules), config.max_rank,
+                        config.adapter_page_rows)
     num_pages, num_slots = pool_size(config, layout, dtype, device)
     # A step feeds at most the prefill budget plus one token per decode row; prompt_logits feeds a whole prompt.
     max_step_tokens = max(max(config.max_prefill_tokens_per_step, config.max_input_tokens) + config.max_batch_size,
                           config.max_graph_tokens)  # a graph bucket's padded rows too
     lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
-    residency = Residency(config, layout, SlotPool(num_pages, num_slots), lora.write_slot,
-                          partial(_read_parts, registry), lambda adapter_id: registry.get(adapter_id).rank,
-                          device, dtype,
+    pool = SlotPool(num_pages, num_slots)
+    write_slot, read_parts = lora.write_slot, partial(_read_parts, registry)
+    if workers is not None:  # rank 0 holds its shard of each adapter; each load goes to the other ranks too
+        write_slot = partial(_write_slot_everywhere, lora, pool, registry, workers)
+        read_parts = partial(_read_shard, registry, plan)
+    residency = Residency(config, layout, pool, write_slot, read_parts,
+                          lambda adapter_id: registry.get(adapter_id).rank, device, dtype,
                           *((registry.fetch_ahead, registry.on_node, registry.is_fetching) if remote else ()))
     blocks = BlockManager(kv_cache_blocks(config, model.config, dtype, device, max_model_len), config.block_size)
+    if workers is not None:
+        workers.send_sizes(Sizes(num_pages, num_slots, blocks.num_blocks, max_step_tokens))
     cache = PagedKVCache.for_model(model.config, blocks.num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, lora, blocks, cache, config.max_batch_size, max_model_len,
                          use_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
-                         max_graph_tokens=config.max_graph_tokens)
+                         max_graph_tokens=config.max_graph_tokens, workers=workers)
     log.info("KV cache: %d blocks of %d tokens (%.2f GB); adapter pool: %d pages, up to %d adapters (%.2f GB); "
              "decode graphs: %s", blocks.num_blocks, config.block_size,
              cache.k.numel() * cache.k.element_size() * 2 / 1e9, num_pages, num_slots, lora.nbytes() / 1e9,
@@ -104,6 +119,24 @@ def build_parts(config: EngineConfig) -> EngineParts:
     eos_ids = _eos_ids(model, tokenizer)
     return EngineParts(device, dtype, tokenizer, model.config, max_model_len, eos_ids, registry,
                        GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids), lora, residency, blocks, runner)
+
+
+def _check_tensor_parallel(config: EngineConfig, model_config: PretrainedConfig, checkpoint) -> None:
+    check_tensor_parallel_config(config, model_config, fp8_checkpoint=checkpoint is not None)
+    size = config.tensor_parallel_size
+    if config.torch_device().type == "cuda" and torch.cuda.device_count() < size:
+        raise UnsupportedModel(f"tensor_parallel_size {size} needs {size} GPUs; this process sees "
+                               f"{torch.cuda.device_count()}")
+
+
+def _write_slot_everywhere(lora: LoRASlots, pool: SlotPool, registry: AdapterRegistry, workers: Workers,
+                           slot: int, pages, host_pages, scales, rank: int) -> None:
+    lora.write_slot(slot, pages, host_pages, scales, rank)
+    workers.load(slot, pages, registry.get(pool.slots[slot].adapter_id), rank)
+
+
+def _read_shard(registry: AdapterRegistry, plan, adapter_id: str):
+    return shard_parts(plan, _read_parts(registry, adapter_id))
 
 
 def _read_parts(registry: AdapterRegistry, adapter_id: str):

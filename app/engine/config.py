@@ -49,6 +49,10 @@ class EngineConfig:
         default=None, description="fp8: the base model's linear projections in float8_e4m3fn, one scale per output "
         "channel, activations quantized per token (CUDA GPUs with FP8 tensor cores: compute capability 8.9 or "
         "more). Adapters, embeddings, norms and lm_head stay in `dtype`.")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=16, description="Devices one replica's model is sharded over (Megatron-style tensor "
+        "parallelism: each holds its share of every layer's heads and MLP, and of every adapter). The size must "
+        "divide the attention heads and the MLP width, and divide or be a multiple of the key/value heads.")
     max_batch_size: int = Field(default=32, ge=1, description="Rows in one decode batch.")
     max_input_tokens: int = Field(default=2048, ge=1, description="Longest prompt, in tokens.")
     max_total_tokens: int = Field(

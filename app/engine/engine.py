@@ -328,3 +328,4 @@ class LLMEngine:
             self.timing.sampler.stop()
         self.residency.shutdown()
         self.registry.shutdown()
+        self.runner.shutdown()

@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model, lora: LoRASlots, blocks: BlockManager, cache: PagedKVCache, max_batch_size: int,
-                 max_model_len: int, use_graphs: bool, compile_decode: bool = False, max_graph_tokens: int = 0):
+                 max_model_len: int, use_graphs: bool, compile_decode: bool = False, max_graph_tokens: int = 0,
+                 workers=None):
+        """workers: a tensor-parallel engine's other ranks (app/engine/workers.py's Workers), this runner being
+        rank 0's."""
         self.model, self.lora, self.blocks, self.cache = model, lora, blocks, cache
+        self.workers = workers
         self.device = next(model.parameters()).device
         config = model.config
         self.arch = check_supported(config)
@@ -69,6 +73,13 @@ class ModelRunner:
         cache is updated. extra_rows: flat token indices (plan.chunks order) whose logits follow the sampled
         rows' (echo's prompt logprobs), so only the requests that ask pay for them."""
         inputs = self.prepare(plan)
+        if self.workers is not None:  # tensor parallelism: the other ranks run the same forward on their shards
+            self.workers.run(inputs, logits_all, extra_rows)
+        return self.run(inputs, logits_all, extra_rows)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, logits_all: bool = False, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """execute's forward, from the step's inputs (a tensor-parallel worker runs rank 0's)."""
         if self.cuda_graphs is not None and not logits_all and not extra_rows:
             logits = self.cuda_graphs.replay(inputs, plan.is_decode_only)
             if logits is not None:
@@ -153,6 +164,10 @@ class ModelRunner:
         order, starts, slots = segments(token_slots, t_cap, s_cap)
         t = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
         self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots))
+
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
 
     # --- what the engine reports of its graphs --------------------------------------------------
 

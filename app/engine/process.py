@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import multiprocessing as mp
 import pickle
 import sys
@@ -176,6 +177,11 @@ class _ChildLoop(AsyncEngine):
 
     def _deliver(self, output: RequestOutput) -> None:
         self._deliver_all([output])
+
+    def _run(self) -> None:
+        super()._run()
+        if self.lost is not None:  # the failed requests went up the pipe: the process ends, and with it is_alive
+            os._exit(1)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         if outputs:

@@ -1,8 +1,8 @@
 """Through the whole Serve app over HTTP, greedy chat tokens equal PeftModel.generate's in float32, and their
-logprobs agree within 1e-4, for the base and its adapters: Qwen2 (q/k/v biases) and Gemma 2 (soft-capping, a 6-token
-sliding window, norm weight + 1) on tiny random bases and adapters, and SmolLM2-135M-Instruct with its two trained
-adapters on real chat messages. Each is its own application under /<name> of one local Ray cluster, one CPU replica
-each.
+logprobs agree within 1e-4, for the base and its adapters: Qwen2 (q/k/v biases), its replica's model and adapters
+sharded over two CPU processes (tensor_parallel_size 2), and Gemma 2 (soft-capping, a 6-token sliding window, norm
+weight + 1) on tiny random bases and adapters, and SmolLM2-135M-Instruct with its two trained adapters on real chat
+messages. Each is its own application under /<name> of one local Ray cluster, one replica each.
 
 Tokens are compared by id. Chat logprobs carry each token's own bytes, which name one token of the vocabulary
 (checked for the whole vocabulary); completion logprobs carry only a token's text, which the tiny tokenizer's 128
@@ -62,11 +62,12 @@ class Case:
     adapters: list[str]
     messages: list[str]
     references: dict[tuple[str, int], Reference] = field(default_factory=dict)
+    args: dict = field(default_factory=dict)  # the application's own args, beside APP_ARGS
 
     def application(self) -> dict:
         return {"name": self.name, "route_prefix": f"/{self.name}", "import_path": "deploy.app:build_app",
                 "args": {"base_model": str(self.root / "base"), "adapter_roots": [str(self.root / "adapters")],
-                         **APP_ARGS},
+                         **APP_ARGS, **self.args},
                 "deployments": [{"name": "LoRAReplica", "num_replicas": 1}, {"name": "Ingress", "num_replicas": 1}]}
 
 
@@ -111,10 +112,10 @@ def smollm2_selected(request) -> bool:
 @pytest.fixture(scope="module")
 def cases(request, tmp_path_factory, demo_dir) -> dict[str, Case]:
     out = {}
-    for name in ("qwen2", "gemma2"):
+    for name, args in (("qwen2", {"tensor_parallel_size": 2}), ("gemma2", {})):
         root = tmp_path_factory.mktemp(name)
         info = build_case(root, name, Path(demo_dir) / "base")
-        out[name] = Case(name, root, info["adapters"], ARCH_PROMPTS)
+        out[name] = Case(name, root, info["adapters"], ARCH_PROMPTS, args=args)
     if smollm2_selected(request):
         from app.demo.smollm2 import ensure_smollm2
 

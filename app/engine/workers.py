@@ -1,0 +1,232 @@
+"""The other workers of a tensor-parallel engine (`tensor_parallel_size` > 1): one process per further device, each
+holding its shard of the model (app/model/tensor_parallel.py), of every resident adapter and of the KV cache, and
+running every forward the engine runs, in step with it.
+
+The engine's own process is rank 0. It alone schedules, samples, and owns the adapter registry and residency. Before
+each forward, `Workers.run` broadcasts a `Step` over a gloo group: the step's inputs (app/engine/step_inputs.py),
+how the forward runs, and the adapter loads rank 0 made since the last step (slot, pages, the adapter's spec). Each
+worker first reads those adapters from their files and writes its shard of each into the same slot and pages of its
+own pool, then runs the same forward; the all-reduces inside it make every rank's hidden states the whole ones.
+Rank 0's scheduler admits a request only once its adapter's load is done on rank 0, and the worker's copy of that
+load travels ahead of the step's inputs, so no worker runs a step on an adapter it has not written. Warm-up steps
+and CUDA graph captures run in the same order on every rank (each rank's ModelRunner makes them at start-up), so
+their collectives pair up.
+
+Adapters reach the workers from their files, so an engine with workers takes local adapter roots only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoConfig
+
+from app.adapters.spec import AdapterSpec, read_adapter
+from app.engine.config import EngineConfig
+from app.engine.kv_blocks import BlockManager
+from app.engine.model_runner import ModelRunner
+from app.engine.step_inputs import StepInputs
+from app.adapters.uris import is_remote
+from app.model.architectures import UnsupportedModel, check_supported
+from app.model.attention import PagedKVCache
+from app.adapters.targets import pool_shapes, target_shapes
+from app.model.lora import LoRASlots
+from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_parallel, load_shard
+from prefetch.layout import PageLayout
+
+log = logging.getLogger(__name__)
+# A collective that waits this long for a rank fails instead of hanging (a worker that died mid-step).
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel worker process ended: the engine cannot run another step."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """An adapter rank 0 wrote into `slot`, `pages` of its pool: the workers write their shards of it there."""
+
+    slot: int
+    pages: tuple[int, ...]
+    spec: AdapterSpec
+    rank: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """What rank 0 sends before each forward; inputs None with stop: the engine shuts down."""
+
+    inputs: StepInputs | None
+    logits_all: bool = False
+    extra_rows: tuple[int, ...] = ()
+    loads: tuple[Load, ...] = ()
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The pools rank 0 sized after its weights loaded; every rank allocates the same."""
+
+    num_pages: int
+    num_slots: int
+    num_blocks: int
+    max_step_tokens: int
+
+
+def check_tensor_parallel_config(config: EngineConfig, model_config, fp8_checkpoint: bool) -> None:
+    """Refuses, by name, a tensor_parallel_size this model and these settings cannot be served with."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    check_tensor_parallel(model_config, size)
+    if fp8_checkpoint or config.quantization is not None:
+        raise UnsupportedModel(f"tensor_parallel_size {size} with FP8 weights is not served; use "
+                               "tensor_parallel_size 1 for an FP8 base")
+    remote = [root for root in config.adapter_roots if is_remote(root)]
+    if remote:
+        raise UnsupportedModel(f"tensor_parallel_size {size} serves adapters from local folders only (each worker "
+                               f"reads its shard from the files); remote roots: {remote}")
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on a GPU host (the replica's devices, as CUDA_VISIBLE_DEVICES lists them), else the
+    CPU."""
+    device = config.torch_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass
+class Workers:
+    """Rank 0's handle on ranks 1..size-1: started with the engine, stopped with it."""
+
+    config: EngineConfig
+    processes: list = field(default_factory=list)
+    control: dist.ProcessGroup | None = None
+    _loads: list[Load] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> Workers:
+        """Starts the worker processes and joins them in one process group (this process as rank 0)."""
+        size, device = config.tensor_parallel_size, rank_device(config, 0)
+        if dist.is_initialized():  # torch.distributed has one default process group per process
+            raise RuntimeError("this process already runs a tensor-parallel engine (or another process group); "
+                               "a process holds one")
+        init = f"file://{Path(tempfile.mkdtemp(prefix='lora-tp-')) / 'init'}"
+        context = mp.get_context("spawn")
+        workers = cls(config)
+        for rank in range(1, size):
+            process = context.Process(target=worker_main, args=(rank, init, config), daemon=True,
+                                      name=f"tensor-parallel-worker-{rank}")
+            process.start()
+            workers.processes.append(process)
+        dist.init_process_group(backend(device), init_method=init, rank=0, world_size=size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        workers.control = _control_group(device)
+        return workers
+
+    def send_sizes(self, sizes: Sizes) -> None:
+        dist.broadcast_object_list([sizes], src=0, group=self.control)
+
+    def load(self, slot: int, pages, spec: AdapterSpec, rank: int) -> None:
+        """Any thread (the copier's): sent with the next step."""
+        spec = dataclasses.replace(spec, **{name: dict(getattr(spec, name)) for name in  # read-only views: unpicklable
+                                            ("module_ranks", "module_scales", "module_shapes")})
+        with self._lock:
+            self._loads.append(Load(slot, tuple(pages), spec, rank))
+
+    def run(self, inputs: StepInputs, logits_all: bool, extra_rows) -> None:
+        for process in self.processes:
+            if not process.is_alive():
+                raise WorkerLost(f"{process.name} ended (exit code {process.exitcode}); the replica's engine stops")
+        with self._lock:
+            loads, self._loads = tuple(self._loads), []
+        dist.broadcast_object_list([Step(inputs, logits_all, tuple(extra_rows), loads)], src=0, group=self.control)
+
+    def stop(self) -> None:
+        if not self.processes:
+            return
+        if all(process.is_alive() for process in self.processes):
+            dist.broadcast_object_list([Step(None, stop=True)], src=0, group=self.control)
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        self.processes = []
+        dist.destroy_process_group()
+
+
+def _control_group(device: torch.device) -> dist.ProcessGroup | None:
+    """The group steps travel over: pickled objects want gloo (CPU tensors); None: the default group is gloo."""
+    return dist.new_group(backend="gloo") if device.type == "cuda" else None
+
+
+def shard_parts(plan: ShardPlan, parts):
+    """An adapter's flat parts (StoredAdapter.flat_parts: A [r * in], B [out * r]) as this rank holds them."""
+    sharded = {}
+    for module, (a, b, rank, scale) in parts.items():
+        n_in, n_out = plan.global_shapes[module]
+        a, b = plan.shard_adapter(module, a.view(rank, n_in), b.view(n_out, rank))
+        sharded[module] = (a.contiguous().flatten(), b.contiguous().flatten(), rank, scale)
+    return sharded
+
+
+def worker_main(rank: int, init: str, config: EngineConfig) -> None:
+    """A worker process: joins the group, loads its shard, then runs what rank 0 sends until it stops."""
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    size = config.tensor_parallel_size
+    dist.init_process_group(backend(device), init_method=init, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    control = _control_group(device)
+    try:
+        dtype = config.torch_dtype(device)
+        model_config = AutoConfig.from_pretrained(config.base_model)
+        model, plan = load_shard(Path(config.base_model), model_config, check_supported(model_config),
+                                 TensorParallel(rank, size), dtype, device)
+        sizes = _receive(control)
+        layout = PageLayout(pool_shapes(target_shapes(model.config), config.target_modules), config.max_rank,
+                            config.adapter_page_rows)
+        lora = LoRASlots(model, layout, sizes.num_pages, sizes.num_slots, t_cap=sizes.max_step_tokens)
+        cache = PagedKVCache.for_model(model.config, sizes.num_blocks, config.block_size, dtype, device)
+        runner = ModelRunner(model, lora, BlockManager(sizes.num_blocks, config.block_size), cache,
+                             config.max_batch_size, model.config.max_position_embeddings,
+                             use_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
+                             max_graph_tokens=config.max_graph_tokens)
+        host = [torch.empty(layout.page_numel, dtype=dtype, pin_memory=device.type == "cuda")
+                for _ in range(layout.max_pages)]
+        while True:
+            step = _receive(control)
+            if step.stop:
+                break
+            for load in step.loads:
+                pages = host[:len(load.pages)]
+                parts = shard_parts(plan, read_adapter(load.spec).flat_parts())
+                scales = layout.pack(parts, pages).to(device)
+                lora.write_slot(load.slot, list(load.pages), pages, scales, load.rank)
+                if device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()  # before the host pages are packed again
+            runner.run(step.inputs, step.logits_all, step.extra_rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def _receive(group):
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=group)
+    return message[0]

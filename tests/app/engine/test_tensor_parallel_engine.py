@@ -1,0 +1,110 @@
+"""An engine sharded over two workers (tensor_parallel_size 2, gloo on CPU, float32) serves PEFT's own output:
+greedy tokens of the base and two adapters in one mixed batch equal PeftModel.generate, and prompt logits agree
+within 1e-4, for Llama (with q/k/v and MLP biases), Qwen2 and Phi-3 (fused projections). Sizes that cannot shard
+the model are refused at start-up, by name, before any worker starts. A worker that dies fails the next step by
+name (503 for the requests in flight) and ends the engine loop, so the replica's health check fails."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.engine.async_engine import AsyncEngine
+from app.engine.engine import LLMEngine
+from app.engine.workers import WorkerLost
+from app.errors import EngineUnavailable
+from app.model.architectures import UnsupportedModel
+from arch_helpers import build_case
+from engine_helpers import engine_config, greedy, run_all
+
+MAX_NEW = 12
+PROMPTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps", "Once upon a time"]
+
+
+def test_a_worker_that_dies_fails_the_next_step_at_once_by_name(demo_dir):
+    engine = LLMEngine(engine_config(demo_dir, tensor_parallel_size=2))
+    try:
+        worker = engine.runner.workers.processes[0]
+        worker.kill()
+        worker.join()
+        engine.add_request("Once upon a time", None, greedy(4))
+        with pytest.raises(WorkerLost, match="tensor-parallel-worker-1 ended"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_a_lost_worker_fails_the_requests_in_flight_and_ends_the_engine_loop(demo_dir):
+    engine = AsyncEngine(LLMEngine(engine_config(demo_dir, tensor_parallel_size=2)))
+    try:
+        worker = engine.engine.runner.workers.processes[0]
+        worker.kill()
+        worker.join()
+
+        async def ask():
+            async for output in engine.generate("Once upon a time", None, greedy(4)):
+                return output
+
+        with pytest.raises(EngineUnavailable, match="tensor-parallel-worker-1 ended"):  # a 503 for the client
+            asyncio.run(ask())
+        engine._thread.join(timeout=10)
+        assert not engine.is_alive()  # the replica's health check fails, and Serve replaces it
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=[("llama-biases", dict(mlp_bias=True)), ("qwen2", {}), ("phi3", {})],
+                ids=lambda param: param[0])
+def served(request, tmp_path_factory, demo_dir):
+    """The case's PEFT references, and an engine over two workers with its adapters registered."""
+    name, overrides = request.param
+    root = tmp_path_factory.mktemp(name)
+    info = build_case(root, name, Path(demo_dir) / "base", **overrides)
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    references = {}
+    for adapter in [None] + info["adapters"]:
+        model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
+        model.eval()
+        for prompt in PROMPTS:
+            inputs = tokenizer(prompt, return_tensors="pt")
+            with torch.no_grad():
+                generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
+                logits = model(**inputs).logits[0]
+            references[adapter, prompt] = (generated[0, inputs["input_ids"].shape[1]:].tolist(), logits)
+    engine = LLMEngine(engine_config(root, num_slots=4, tensor_parallel_size=2, max_prefill_tokens_per_step=8))
+    for adapter in info["adapters"]:
+        engine.register_adapter(adapter, str(root / "adapters" / adapter))
+    yield engine, references
+    engine.shutdown()
+
+
+def test_two_workers_serve_peft_s_greedy_tokens_in_one_mixed_batch(served):
+    engine, references = served
+    keys = {engine.add_request(prompt, adapter, greedy(MAX_NEW)).request_id: (adapter, prompt)
+            for adapter, prompt in references}
+    tokens = run_all(engine, check=True)
+    for request_id, key in keys.items():
+        assert tokens[request_id] == references[key][0], key
+
+
+def test_two_workers_give_peft_s_prompt_logits_within_1e_4(served):
+    engine, references = served
+    for (adapter, prompt), (_, expected) in references.items():
+        got = engine.prompt_logits(prompt, adapter)
+        assert (got - expected).abs().max().item() <= 1e-4, (adapter, prompt)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the 4 attention heads"),
+    (dict(tensor_parallel_size=2, adapter_roots=("s3://bucket/adapters",)),
+     "tensor_parallel_size 2 serves adapters from local folders only"),
+])
+def test_a_size_or_setting_it_cannot_serve_is_refused_before_any_worker_starts(demo_dir, overrides, named):
+    with pytest.raises(UnsupportedModel, match=named):
+        LLMEngine(engine_config(demo_dir, **overrides))
+

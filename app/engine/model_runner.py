@@ -81,7 +81,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs, logits_all: bool = False, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """execute's forward, from the step's inputs (a tensor-parallel worker runs rank 0's)."""
         if self.cuda_graphs is not None and not logits_all and not extra_rows:
-            logits = self.cuda_graphs.replay(inputs, plan.is_decode_only)
+            logits = self.cuda_graphs.replay(inputs, decode_only=inputs.num_decode > 0 and not inputs.prefill_lens)
             if logits is not None:
                 return logits
         hidden = self._forward_eager(inputs)

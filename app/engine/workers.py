@@ -171,8 +171,12 @@ class Workers:
 
 
 def _control_group(device: torch.device) -> dist.ProcessGroup | None:
-    """The group steps travel over: pickled objects want gloo (CPU tensors); None: the default group is gloo."""
-    return dist.new_group(backend="gloo") if device.type == "cuda" else None
+    """The group steps travel over: pickled objects want gloo (CPU tensors); None: the default group is gloo. On
+    GPUs one all-reduce first sets NCCL's communicator up, which must not happen inside a CUDA graph capture."""
+    if device.type != "cuda":
+        return None
+    dist.all_reduce(torch.zeros(1, device=device))
+    return dist.new_group(backend="gloo")
 
 
 def shard_parts(plan: ShardPlan, parts):

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a host of 2 or 4 GPUs, in one call: the GPU tests (a sharded bf16 engine against PEFT at
+# every size the host allows; the one-GPU graph tests beside them), then the offline throughput
+# (bench/device/throughput.sh) at tensor_parallel_size 1 and 2 (and 4 on four GPUs), Llama-3-8B shapes.
+#   LORA_GIT_COMMIT=$(git rev-parse --short HEAD) WHEELS=demo/whl-bench bash bench/device/tensor_parallel.sh
+# SHAPES ("32:0 128:32": BATCH:ADAPTERS pairs), SIZES (1 2, and 4 where there are four GPUs), THROUGHPUT_S (150).
+# Results: bench/results/<slug>-tensor-parallel-gpu-tests.log and <slug>-throughput-tp<N>-c<BATCH>-a<ADAPTERS>.json.
+source bench/device/setup.sh
+log=bench/results/$SLUG-tensor-parallel-gpu-tests.log
+tests="tests/app/engine/test_tensor_parallel_gpu.py tests/app/engine/test_cuda_graphs.py tests/app/engine/test_fidelity.py"
+echo "# commit ${LORA_GIT_COMMIT:-unknown}: python3 -m pytest -q -rs -m gpu $tests" > "$log"
+timeout 300 python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider 2>&1 | tail -20 | tee -a "$log"
+sizes=${SIZES:-1 2 $([ "$GPUS" -ge 4 ] && echo 4)}
+for size in $sizes; do
+  for shape in ${SHAPES:-32:0 128:32}; do
+    BATCH=${shape%:*} ADAPTERS=${shape#*:} TAG=-tp$size-c${shape%:*}-a${shape#*:} \
+      ENGINE_ARGS="tensor_parallel_size=$size" THROUGHPUT_S=${THROUGHPUT_S:-150} bash bench/device/throughput.sh \
+      2>&1 | grep -E "tok/s|wrote|Error|error"
+  done
+done
+bring_back tensor_parallel "$log" $(written "$SLUG-throughput-tp*.json")

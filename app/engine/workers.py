@@ -18,7 +18,10 @@ Adapters reach the workers from their files, so an engine with workers takes loc
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -27,7 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoConfig
 
 from app.adapters.spec import AdapterSpec, read_adapter
@@ -44,8 +46,10 @@ from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_pa
 from prefetch.layout import PageLayout
 
 log = logging.getLogger(__name__)
-# A collective that waits this long for a rank fails instead of hanging (a worker that died mid-step).
+# A collective inside a step that waits this long for a rank fails instead of hanging (a worker that died
+# mid-step); the workers' wait for the next step has no such limit.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 class WorkerLost(RuntimeError):
@@ -109,6 +113,19 @@ def backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+@dataclass(frozen=True)
+class WorkerProcess:
+    rank: int
+    popen: subprocess.Popen
+
+    @property
+    def name(self) -> str:
+        return f"tensor-parallel-worker-{self.rank}"
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+
 @dataclass
 class Workers:
     """Rank 0's handle on ranks 1..size-1: started with the engine, stopped with it."""
@@ -121,19 +138,20 @@ class Workers:
 
     @classmethod
     def start(cls, config: EngineConfig) -> Workers:
-        """Starts the worker processes and joins them in one process group (this process as rank 0)."""
+        """Starts the worker processes and joins them in one process group (this process as rank 0). Each is a
+        fresh interpreter (`python -m app.engine.workers`), not a multiprocessing child: the engine may itself run
+        in a daemonic process (app/engine/process.py), which multiprocessing lets have no children."""
         size, device = config.tensor_parallel_size, rank_device(config, 0)
         if dist.is_initialized():  # torch.distributed has one default process group per process
             raise RuntimeError("this process already runs a tensor-parallel engine (or another process group); "
                                "a process holds one")
-        init = f"file://{Path(tempfile.mkdtemp(prefix='lora-tp-')) / 'init'}"
-        context = mp.get_context("spawn")
+        folder = Path(tempfile.mkdtemp(prefix="lora-tp-"))
+        (folder / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        init = f"file://{folder / 'init'}"
         workers = cls(config)
         for rank in range(1, size):
-            process = context.Process(target=worker_main, args=(rank, init, config), daemon=True,
-                                      name=f"tensor-parallel-worker-{rank}")
-            process.start()
-            workers.processes.append(process)
+            workers.processes.append(WorkerProcess(rank, subprocess.Popen(
+                [sys.executable, "-m", "app.engine.workers", str(rank), init, str(folder / "config.json")])))
         dist.init_process_group(backend(device), init_method=init, rank=0, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
         workers.control = _control_group(device)
@@ -152,7 +170,8 @@ class Workers:
     def run(self, inputs: StepInputs, logits_all: bool, extra_rows) -> None:
         for process in self.processes:
             if not process.is_alive():
-                raise WorkerLost(f"{process.name} ended (exit code {process.exitcode}); the replica's engine stops")
+                raise WorkerLost(f"{process.name} ended (exit code {process.popen.returncode}); the replica's "
+                                 "engine stops")
         with self._lock:
             loads, self._loads = tuple(self._loads), []
         dist.broadcast_object_list([Step(inputs, logits_all, tuple(extra_rows), loads)], src=0, group=self.control)
@@ -163,20 +182,22 @@ class Workers:
         if all(process.is_alive() for process in self.processes):
             dist.broadcast_object_list([Step(None, stop=True)], src=0, group=self.control)
         for process in self.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+            try:
+                process.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                process.popen.wait()
         self.processes = []
         dist.destroy_process_group()
 
 
-def _control_group(device: torch.device) -> dist.ProcessGroup | None:
-    """The group steps travel over: pickled objects want gloo (CPU tensors); None: the default group is gloo. On
-    GPUs one all-reduce first sets NCCL's communicator up, which must not happen inside a CUDA graph capture."""
-    if device.type != "cuda":
-        return None
-    dist.all_reduce(torch.zeros(1, device=device))
-    return dist.new_group(backend="gloo")
+def _control_group(device: torch.device) -> dist.ProcessGroup:
+    """The group steps travel over: gloo (pickled objects are CPU tensors), and no timeout a replica idle for hours
+    could reach; a rank that ends closes its connections, which fails a receive at once. On GPUs one all-reduce
+    first sets NCCL's communicator up, which must not happen inside a CUDA graph capture."""
+    if device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device))
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def shard_parts(plan: ShardPlan, parts):
@@ -230,7 +251,18 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
         dist.destroy_process_group()
 
 
+def main(argv: list[str]) -> None:
+    """python -m app.engine.workers RANK INIT_METHOD CONFIG_JSON (started by Workers.start)."""
+    rank, init, config_file = int(argv[0]), argv[1], Path(argv[2])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(message)s")
+    worker_main(rank, init, EngineConfig(**json.loads(config_file.read_text())))
+
+
 def _receive(group):
     message = [None]
     dist.broadcast_object_list(message, src=0, group=group)
     return message[0]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -27,9 +27,9 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps", "
 def test_a_lost_worker_fails_the_requests_in_flight_and_ends_the_engine_loop(demo_dir):
     engine = AsyncEngine(LLMEngine(engine_config(demo_dir, tensor_parallel_size=2)))
     try:
-        worker = engine.engine.runner.workers.processes[0]
+        worker = engine.engine.runner.workers.processes[0].popen
         worker.kill()
-        worker.join()
+        worker.wait()
 
         async def ask():
             async for output in engine.generate("Once upon a time", None, greedy(4)):

@@ -13,7 +13,7 @@ import pytest
 import ray
 from ray import serve
 from ray.serve._private.api import serve_start
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
 from deploy import haproxy
 from engine_helpers import TEST_HOST_CACHE_BYTES
@@ -95,10 +95,20 @@ class SharedRuntime:
         return cls.cluster
 
     @classmethod
-    def delete_apps(cls) -> None:
-        if cls.cluster is not None:
-            for name in list(serve.status().applications):
-                serve.delete(name)
+    def delete_apps(cls, timeout_s: float = 60) -> None:
+        """Every app deleted at once; their replicas stop side by side. (serve.delete waits for each app in turn
+        and checks once a second.)"""
+        if cls.cluster is None:
+            return
+        names = list(serve.status().applications)
+        for name in names:
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + timeout_s
+        while left := [name for name, app in serve.status().applications.items()
+                       if app.status != ApplicationStatus.NOT_STARTED]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"apps {left} were not deleted within {timeout_s}s")
+            time.sleep(0.1)
 
     @classmethod
     def stop(cls) -> None:

@@ -180,6 +180,9 @@ def test_hints_reach_replicas_before_their_requests(cluster, manifest):
     assert hinted >= 1 and delta["hinted_on_device"] >= 0.5 * hinted, delta
 
 
+LOAD_BATCH = 16  # answers that show the background load flowing: more than each of its 4 clients has in flight
+
+
 def load_in_background(cluster, names, stop: threading.Event, results: list):
     def run():
         i = 0
@@ -213,7 +216,7 @@ def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manife
     epoch = HTTP.get(f"{cluster.url}/v1/debug/replicas").json()["epoch"]
     stop, results = threading.Event(), []
     threads = load_in_background(cluster, names, stop, results)
-    time.sleep(2)
+    wait_for(lambda: len(results) >= LOAD_BATCH, 30, poll_s=0.05, what="load before the kill")
     old = find_router_state("lora", None)
     ray.kill(old)
     wait_for(lambda: not answers(old), 10, what="the killed router actor is gone")
@@ -228,7 +231,8 @@ def test_router_actor_killed_mid_load_fails_nothing_and_recovers(cluster, manife
         time.sleep(0.5)
     else:
         pytest.fail("no new router actor took over")
-    time.sleep(2)
+    taken_over = len(results)
+    wait_for(lambda: len(results) >= taken_over + LOAD_BATCH, 30, poll_s=0.05, what="load through the new actor")
     stop.set()
     for t in threads:
         t.join()
@@ -316,10 +320,11 @@ def test_scale_two_to_three_by_config_update_fails_nothing(cluster, manifest):
     names = [a["name"] for a in manifest["adapters"]]
     stop, results = threading.Event(), []
     threads = load_in_background(cluster, names, stop, results)
-    time.sleep(1)
+    wait_for(lambda: len(results) >= LOAD_BATCH, 30, poll_s=0.05, what="load before the update")
     cluster.deploy(replicas=3, wait_replicas=False)
     cluster.wait_for_replicas(3)
-    time.sleep(2)
+    scaled = len(results)
+    wait_for(lambda: len(results) >= scaled + LOAD_BATCH, 30, poll_s=0.05, what="load on three replicas")
     stop.set()
     for t in threads:
         t.join()

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from ray.serve._private import client as serve_client
 from ray.serve._private.api import serve_start
 from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
@@ -69,7 +70,7 @@ class Cluster:
                     return view
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise TimeoutError(f"{count} replicas did not report within {timeout_s}s")
 
 
@@ -90,6 +91,8 @@ class SharedRuntime:
             stats, metrics = free_ports(2)  # HAProxy's own ports, free whatever else runs on this machine
             cls._env.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(stats))
             cls._env.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
+            # Serve's client checks once a second whether an app it waits for is running; ten times here.
+            cls._env.setattr(serve_client, "CLIENT_POLLING_INTERVAL_S", 0.1)
             ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
             cls.cluster = Cluster(demo_dir)
         return cls.cluster

@@ -95,7 +95,7 @@ def settle(cluster, timeout_s=20) -> dict:
         view = cluster.replicas()
         if view and all(v["running"] == 0 and v["waiting"] == 0 and v["pinned_slots"] == 0 for v in view.values()):
             return view
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise AssertionError(f"replicas did not go idle: {cluster.replicas()}")
 
 
@@ -142,7 +142,7 @@ def test_replica_killed_mid_stream_ends_cleanly_and_is_replaced(faults_cluster):
         view = faults_cluster.replicas()
         if len(view) == 2 and uid not in view:
             break
-        time.sleep(1)
+        time.sleep(0.2)
     else:
         pytest.fail(f"the killed replica was not replaced in the view: {list(faults_cluster.replicas())}")
 

@@ -388,7 +388,7 @@ def test_engine_in_its_own_process_serves_the_same_text(cluster, oai, expected):
         view = cluster.replicas()
         if len(view) == 1 and not set(view) & before:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     else:
         raise AssertionError(f"the engine-process replicas did not replace {sorted(before)}")
     for model, text in expected.items():

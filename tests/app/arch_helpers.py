@@ -8,8 +8,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from app.model.architectures import check_supported
 
@@ -83,3 +83,22 @@ def build_case(root: Path, name: str, tokenizer_dir: Path, **more) -> dict:
     save_adapter(root / "adapters" / "all", base, names, r=8, seed=1)
     save_adapter(root / "adapters" / "some", base, (names[0], names[2]), r=4, seed=2)
     return {"config": config, "arch": arch, "adapters": ["all", "some"]}
+
+
+def peft_references(root: Path, adapters, prompts, max_new: int) -> dict:
+    """(adapter or None, prompt) -> (PeftModel.generate's greedy tokens, the prompt's logits), float32, for the base
+    in root/base and each adapter under root/adapters."""
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    references = {}
+    for adapter in [None, *adapters]:
+        model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
+        model.eval()
+        for prompt in prompts:
+            inputs = tokenizer(prompt, return_tensors="pt")
+            with torch.no_grad():
+                generated = model.generate(**inputs, do_sample=False, max_new_tokens=max_new)
+                logits = model(**inputs).logits[0]
+            references[adapter, prompt] = (generated[0, inputs["input_ids"].shape[1]:].tolist(), logits)
+    return references

@@ -102,3 +102,16 @@ def agrees_up_to_near_tie(got, expected, scores):
             top2 = scores[i].topk(2).values
             return (top2[0] - top2[1]).item() <= BF16_TIE
     return len(got) == len(expected) or got[: len(expected)] == expected
+
+
+def assert_bf16_fidelity(engine, demo_dir, manifest, max_new=16) -> None:
+    """The engine's greedy tokens of the first demo prompt equal PEFT's in bf16 up to near ties, and its prompt
+    logits agree within BF16_ATOL, for the base and every demo adapter."""
+    prompt = manifest["prompts"][0]
+    for adapter in [None] + manifest["adapters"]:
+        name, path = (None, None) if adapter is None else (adapter["name"], adapter["path"])
+        tokens, scores, logits = bf16_reference(demo_dir, path, prompt, max_new)
+        request = engine.add_request(prompt, name, greedy(max_new))
+        got = run_all(engine, check=True)[request.request_id]
+        assert agrees_up_to_near_tie(got, tokens, scores), (name, got, tokens)
+        assert (engine.prompt_logits(prompt, name) - logits).abs().max().item() <= BF16_ATOL, name

@@ -14,7 +14,7 @@ from app.engine.engine import LLMEngine
 from app.model import attention
 from app.model.architectures import UnsupportedModel
 from app.model.kernels.attention import attend, window_mask
-from arch_helpers import CASES, build_case, case_config, tiny_config
+from arch_helpers import CASES, build_case, case_config, peft_references, tiny_config
 from engine_helpers import BF16_ATOL, agrees_up_to_near_tie, engine_config, greedy, run_all
 
 MAX_NEW = 20
@@ -39,18 +39,7 @@ def case(request, tmp_path_factory, demo_dir):
     root = tmp_path_factory.mktemp(name)
     info = build_case(root, name, Path(demo_dir) / "base")
     tokenizer = AutoTokenizer.from_pretrained(root / "base")
-    references = {}
-    for adapter in [None] + info["adapters"]:
-        model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
-        if adapter is not None:
-            model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
-        model.eval()
-        for prompt in PROMPTS:
-            inputs = tokenizer(prompt, return_tensors="pt")
-            with torch.no_grad():
-                generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
-                logits = model(**inputs).logits[0]
-            references[adapter, prompt] = (generated[0, inputs["input_ids"].shape[1]:].tolist(), logits)
+    references = peft_references(root, info["adapters"], PROMPTS, MAX_NEW)
     return {"name": name, "root": root, "references": references, "tokenizer": tokenizer, **info}
 
 

@@ -7,7 +7,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_helpers import BF16_ATOL, agrees_up_to_near_tie, bf16_reference, greedy, run_all
+from engine_helpers import assert_bf16_fidelity, greedy, run_all
 
 MAX_NEW = 16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -56,11 +56,4 @@ def test_prompt_logits_within_1e_4(make_engine, references):
 @needs_cuda
 def test_bf16_fidelity_against_peft(make_engine, demo_dir, manifest):
     engine = make_engine(num_slots=8, device="cuda", dtype="bfloat16")
-    prompt = manifest["prompts"][0]
-    for adapter in [None] + manifest["adapters"]:
-        name, path = (None, None) if adapter is None else (adapter["name"], adapter["path"])
-        tokens, scores, logits = bf16_reference(demo_dir, path, prompt, MAX_NEW)
-        request = engine.add_request(prompt, name, greedy(MAX_NEW))
-        got = run_all(engine, check=True)[request.request_id]
-        assert agrees_up_to_near_tie(got, tokens, scores), (name, got, tokens)
-        assert (engine.prompt_logits(prompt, name) - logits).abs().max().item() <= BF16_ATOL, name
+    assert_bf16_fidelity(engine, demo_dir, manifest, MAX_NEW)

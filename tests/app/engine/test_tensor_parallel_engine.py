@@ -9,15 +9,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
 from app.errors import EngineUnavailable
 from app.model.architectures import UnsupportedModel
-from arch_helpers import build_case
+from arch_helpers import build_case, peft_references
 from engine_helpers import engine_config, greedy, run_all
 
 MAX_NEW = 12
@@ -50,19 +47,7 @@ def served(request, tmp_path_factory, demo_dir):
     name, overrides = request.param
     root = tmp_path_factory.mktemp(name)
     info = build_case(root, name, Path(demo_dir) / "base", **overrides)
-    tokenizer = AutoTokenizer.from_pretrained(root / "base")
-    references = {}
-    for adapter in [None] + info["adapters"]:
-        model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
-        if adapter is not None:
-            model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
-        model.eval()
-        for prompt in PROMPTS:
-            inputs = tokenizer(prompt, return_tensors="pt")
-            with torch.no_grad():
-                generated = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW)
-                logits = model(**inputs).logits[0]
-            references[adapter, prompt] = (generated[0, inputs["input_ids"].shape[1]:].tolist(), logits)
+    references = peft_references(root, info["adapters"], PROMPTS, MAX_NEW)
     engine = LLMEngine(engine_config(root, num_slots=4, tensor_parallel_size=2, max_prefill_tokens_per_step=8))
     for adapter in info["adapters"]:
         engine.register_adapter(adapter, str(root / "adapters" / adapter))

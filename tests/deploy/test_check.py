@@ -73,6 +73,12 @@ def test_fp8_on_a_cpu_device_is_refused_before_ray_starts(tmp_path, demo_args):
     assert "args.quantization:" in problems(write_config(tmp_path / "bad.yaml", **demo_args, quantization="int4"))
 
 
+def test_a_tensor_parallel_size_that_cannot_shard_the_base_is_refused_by_name(tmp_path, demo_args):
+    found = problems(write_config(tmp_path / "bad.yaml", **demo_args, tensor_parallel_size=3))
+    assert "tensor_parallel_size 3 does not divide the 4 attention heads" in found
+    check_file(write_config(tmp_path / "good.yaml", **demo_args, tensor_parallel_size=2))
+
+
 def test_adapters_that_a_replica_would_refuse_are_named_with_the_reason(tmp_path, demo_args):
     root = tmp_path / "adapters"
     make_adapter(root / "wide", base=AutoConfig.from_pretrained(demo_args["base_model"]), r=32, lora_alpha=32)

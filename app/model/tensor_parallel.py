@@ -180,8 +180,7 @@ def load_shard(folder: Path, config: PretrainedConfig, arch: Architecture, tp: T
         raise UnsupportedModel(f"tensor_parallel_size {tp.size} with an FP8 checkpoint is not served; serve it with "
                                "tensor_parallel_size 1, or its bf16 weights with quantization: fp8")
     plan = ShardPlan(arch, config, tp)
-    local = type(config).from_dict(config.to_dict())
-    _localize_config(local, plan)
+    local = local_config(config, plan)
     with no_init_weights(), torch.device(device):
         model = AutoModelForCausalLM.from_config(local, dtype=dtype)
     files = tensor_files(Path(folder))
@@ -195,11 +194,7 @@ def load_shard(folder: Path, config: PretrainedConfig, arch: Architecture, tp: T
                 raise ValueError(f"the checkpoint in {folder} has no tensor {name}")
             module, _, leaf = name.rpartition(".")
             tensor.copy_(_read_shard(opened[files[name]].get_slice(name), plan.splits.get(module), leaf))
-    for path, split in plan.splits.items():
-        if split.kind == "row":
-            linear = model.get_submodule(path)
-            model.set_submodule(path, RowParallelLinear(linear.weight.detach(), None if linear.bias is None
-                                                        else linear.bias.detach(), tp))
+    use_row_parallel(model, plan)
     if tied:
         model.tie_weights()
     return model.eval(), plan
@@ -225,6 +220,24 @@ def _runs(index: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i + 1))
     return runs
+
+
+def local_config(config: PretrainedConfig, plan: ShardPlan) -> PretrainedConfig:
+    """A copy of the whole model's config with the rank's head counts and MLP width: a model built from it has the
+    rank's shapes."""
+    local = type(config).from_dict(config.to_dict())
+    _localize_config(local, plan)
+    return local
+
+
+def use_row_parallel(model: nn.Module, plan: ShardPlan) -> None:
+    """Each row-parallel projection of a model built at the rank's sizes becomes a RowParallelLinear over the same
+    weight and bias."""
+    for path, split in plan.splits.items():
+        if split.kind == "row":
+            linear = model.get_submodule(path)
+            model.set_submodule(path, RowParallelLinear(linear.weight.detach(), None if linear.bias is None
+                                                        else linear.bias.detach(), plan.tp))
 
 
 def _localize_config(config: PretrainedConfig, plan: ShardPlan) -> None:

@@ -49,6 +49,9 @@ SHAPES = {
     "llama-3-8b": (LlamaConfig, LlamaForCausalLM, dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)),
+    "llama-3-70b": (LlamaConfig, LlamaForCausalLM, dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)),
     # Qwen2's attention always has q/k/v biases; its window is off (use_sliding_window false)
     "qwen2.5-7b": (Qwen2Config, Qwen2ForCausalLM, dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

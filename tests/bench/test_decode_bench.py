@@ -13,7 +13,8 @@ from app.model.kernels import attention as attention_kernels
 from app.model.softcap import install_logit_softcap
 from bench.engine import decode
 
-PUBLISHED_PARAMETERS = {"llama-3-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512, "gemma-2-9b": 9_241_705_984}
+PUBLISHED_PARAMETERS = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496, "qwen2.5-7b": 7_615_616_512,
+                        "gemma-2-9b": 9_241_705_984}
 
 
 @pytest.mark.parametrize("shape", list(decode.SHAPES))
@@ -56,3 +57,17 @@ def test_qwen_2_5_7b_has_biases_and_no_window():
     assert all(getattr(attention, name).bias is not None for name in ("q_proj", "k_proj", "v_proj"))
     assert attention.o_proj.bias is None and config.sliding_window is None and len(model.model.layers) == 28
     assert config.rope_parameters["rope_theta"] == 1e6
+
+
+def test_a_tensor_parallel_rank_of_llama_3_70b_holds_its_shards_and_the_replicated_rest():
+    from app.model.tensor_parallel import RowParallelLinear
+    from bench.engine import tp_decode
+
+    args = argparse.Namespace(shape="llama-3-70b", layers=None, tp=4)
+    config, model = tp_decode.random_shard(args, 3, torch.device("meta"))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert (attention.q_proj.out_features, attention.k_proj.out_features) == (64 // 4 * 128, 8 // 4 * 128)
+    assert isinstance(attention.o_proj, RowParallelLinear) and attention.o_proj.in_features == 2048
+    assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.in_features == 28672 // 4
+    replicated = 2 * 128256 * 8192 + (2 * 80 + 1) * 8192  # embeddings, lm_head and the norms
+    assert decode.weight_bytes(model) == 2 * ((70_553_706_496 - replicated) // 4 + replicated)  # 38.4 GB a GPU

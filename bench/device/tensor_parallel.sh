@@ -4,18 +4,25 @@
 # (bench.engine.tp_decode: Llama-3-70B shapes over 4 GPUs, or Llama-3-8B over 2); then the offline throughput
 # (bench/device/throughput.sh) at tensor_parallel_size 1 and 2 (and 4 on four GPUs), Llama-3-8B shapes.
 #   LORA_GIT_COMMIT=$(git rev-parse --short HEAD) WHEELS=demo/whl-bench bash bench/device/tensor_parallel.sh
-# SHAPES ("32:0 128:32": BATCH:ADAPTERS pairs), SIZES (1 2, and 4 where there are four GPUs), THROUGHPUT_S (150).
+# PARTS ("tests decode throughput": each takes minutes; a call runs at most 10), SHAPES ("32:0 128:32":
+# BATCH:ADAPTERS pairs), SIZES (1 2, and 4 where there are four GPUs), THROUGHPUT_S (150).
 # Results: bench/results/<slug>-tensor-parallel-gpu-tests.log, <slug>-tp-decode-<shape>.json and
 # <slug>-throughput-tp<N>-c<BATCH>-a<ADAPTERS>.json.
 source bench/device/setup.sh
 log=bench/results/$SLUG-tensor-parallel-gpu-tests.log
 tests="tests/app/engine/test_tensor_parallel_gpu.py tests/app/engine/test_cuda_graphs.py tests/app/engine/test_fidelity.py"
-echo "# commit ${LORA_GIT_COMMIT:-unknown}: python3 -m pytest -q -rs -m gpu $tests" > "$log"
-timeout 300 python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider 2>&1 | tail -20 | tee -a "$log"
-if [ "$GPUS" -ge 4 ]; then shape=llama-3-70b tp=4; else shape=llama-3-8b tp=2; fi
-timeout 420 python3 -m bench.engine.tp_decode --tp $tp --shape $shape --compile --batches 32 \
-  --out bench/results/$SLUG-tp-decode-$shape.json 2>&1 | quiet | tail -6
+parts=${PARTS:-tests decode throughput}
+if [[ $parts == *tests* ]]; then
+  echo "# commit ${LORA_GIT_COMMIT:-unknown}: python3 -m pytest -q -rs -m gpu $tests" > "$log"
+  timeout 300 python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider 2>&1 | tail -20 | tee -a "$log"
+fi
+if [[ $parts == *decode* ]]; then
+  if [ "$GPUS" -ge 4 ]; then shape=llama-3-70b tp=4; else shape=llama-3-8b tp=2; fi
+  timeout 420 python3 -m bench.engine.tp_decode --tp $tp --shape $shape --compile --batches 32 \
+    --out bench/results/$SLUG-tp-decode-$shape.json 2>&1 | quiet | tail -6
+fi
 sizes=${SIZES:-1 2 $([ "$GPUS" -ge 4 ] && echo 4)}
+[[ $parts == *throughput* ]] || sizes=
 for size in $sizes; do
   for shape in ${SHAPES:-32:0 128:32}; do
     BATCH=${shape%:*} ADAPTERS=${shape#*:} TAG=-tp$size-c${shape%:*}-a${shape#*:} \

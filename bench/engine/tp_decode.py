@@ -3,7 +3,7 @@ by default) sharded over `--tp` GPUs of one host, random bf16 weights built at e
 a 70B one is 141 GB), rank-16 adapters on all seven targets. Each rank is a process with its own model runner
 (paged KV cache, segmented LoRA, CUDA graphs with the all-reduces inside), all ranks replaying the same steps.
 
-Floor (the issue's): a `tp`-th of the whole model's weight bytes over the HBM read rate, plus the measured time of
+Floor: a `tp`-th of the whole model's weight bytes over the HBM read rate, plus the measured time of
 the step's all-reduces (two per layer, [bucket, hidden] bf16, in one CUDA graph). Also reported: each rank's own
 weight bytes (its shards, plus the replicated embeddings and lm_head) over the same rate. Rank 0 prints one JSON line
 per measurement; --out writes them all.

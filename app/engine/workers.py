@@ -45,7 +45,6 @@ from app.model.lora import LoRASlots
 from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_parallel, load_shard
 from prefetch.layout import PageLayout
 
-log = logging.getLogger(__name__)
 # A collective inside a step that waits this long for a rank fails instead of hanging (a worker that died
 # mid-step); the workers' wait for the next step has no such limit.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)

@@ -16,6 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from app.adapters.targets import target_shapes
+from app.engine.workers import shard_parts
 from app.model.architectures import check_supported
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 from app.model.tensor_parallel import TensorParallel, load_shard, shard_model
@@ -68,10 +69,7 @@ def logits_errors(name: str, overrides: dict, tp: TensorParallel, checkpoint: Pa
         model.config._attn_implementation = "eager"
     layout = PageLayout(target_shapes(model.config), max_rank=RANK, page_rows=RANK)
     lora = LoRASlots(model, layout, num_pages=2, num_slots=1, t_cap=2 * PROMPT)
-    parts = {}
-    for path, (a, b) in adapter.items():
-        a, b = plan.shard_adapter(path, a, b)
-        parts[path] = (a.contiguous().flatten(), b.contiguous().flatten(), RANK, ALPHA / RANK)
+    parts = shard_parts(plan, {path: (a.flatten(), b.flatten(), RANK, ALPHA / RANK) for path, (a, b) in adapter.items()})
     host = [torch.empty(layout.page_numel)]
     lora.write_slot(0, [0], host, layout.pack(parts, host), RANK)
     order, starts, slots = segments([-1] * PROMPT + [0] * PROMPT, 2 * PROMPT, 2 * PROMPT)

@@ -69,7 +69,8 @@ def logits_errors(name: str, overrides: dict, tp: TensorParallel, checkpoint: Pa
         model.config._attn_implementation = "eager"
     layout = PageLayout(target_shapes(model.config), max_rank=RANK, page_rows=RANK)
     lora = LoRASlots(model, layout, num_pages=2, num_slots=1, t_cap=2 * PROMPT)
-    parts = shard_parts(plan, {path: (a.flatten(), b.flatten(), RANK, ALPHA / RANK) for path, (a, b) in adapter.items()})
+    flat = {path: (a.flatten(), b.flatten(), RANK, ALPHA / RANK) for path, (a, b) in adapter.items()}
+    parts = shard_parts(plan, flat)
     host = [torch.empty(layout.page_numel)]
     lora.write_slot(0, [0], host, layout.pack(parts, host), RANK)
     order, starts, slots = segments([-1] * PROMPT + [0] * PROMPT, 2 * PROMPT, 2 * PROMPT)

@@ -104,13 +104,11 @@ def agrees_up_to_near_tie(got, expected, scores):
     return len(got) == len(expected) or got[: len(expected)] == expected
 
 
-def assert_bf16_fidelity(engine, demo_dir, manifest, max_new=16) -> None:
-    """The engine's greedy tokens of the first demo prompt equal PEFT's in bf16 up to near ties, and its prompt
-    logits agree within BF16_ATOL, for the base and every demo adapter."""
-    prompt = manifest["prompts"][0]
-    for adapter in [None] + manifest["adapters"]:
-        name, path = (None, None) if adapter is None else (adapter["name"], adapter["path"])
-        tokens, scores, logits = bf16_reference(demo_dir, path, prompt, max_new)
+def assert_bf16_fidelity(engine, model_dir, prompt: str, adapters: dict[str, str], max_new=16) -> None:
+    """The engine's greedy tokens of `prompt` equal PEFT's in bf16 up to near ties, and its prompt logits agree
+    within BF16_ATOL, for the base and every adapter (name -> its folder, relative to model_dir)."""
+    for name, path in [(None, None), *adapters.items()]:
+        tokens, scores, logits = bf16_reference(model_dir, path, prompt, max_new)
         request = engine.add_request(prompt, name, greedy(max_new))
         got = run_all(engine, check=True)[request.request_id]
         assert agrees_up_to_near_tie(got, tokens, scores), (name, got, tokens)

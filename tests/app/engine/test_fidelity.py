@@ -56,4 +56,5 @@ def test_prompt_logits_within_1e_4(make_engine, references):
 @needs_cuda
 def test_bf16_fidelity_against_peft(make_engine, demo_dir, manifest):
     engine = make_engine(num_slots=8, device="cuda", dtype="bfloat16")
-    assert_bf16_fidelity(engine, demo_dir, manifest, MAX_NEW)
+    assert_bf16_fidelity(engine, demo_dir, manifest["prompts"][0],
+                         {a["name"]: a["path"] for a in manifest["adapters"]}, MAX_NEW)

@@ -8,7 +8,8 @@
 #   ENGINE=peft bash bench/device/throughput.sh      # PEFT's mixed-adapter generate in static batches of 32, stopped
 #                                                    # after BUDGET_S (240) s: it finishes few requests in that time
 # BATCH (32: max concurrent sequences), ADAPTERS (32; 0: the base model), NOTE (free text kept in the result),
-# THROUGHPUT_S (the time limit). WHEELS: .whl (the engine's config needs pydantic).
+# THROUGHPUT_S (the time limit), VERBOSE (1: the run's last 60 lines, log lines included, instead of its last 8
+# results). WHEELS: .whl (the engine's config needs pydantic).
 # Result: bench/results/<slug>-throughput<TAG>.json (TAG: none for this engine, -peft for PEFT), copied to $OUT.
 source bench/device/setup.sh
 engine=${ENGINE:-ours}
@@ -19,5 +20,6 @@ if [ "$engine" = peft ]; then args+=(--time-budget-s "${BUDGET_S:-240}"); else a
 for field in ${ENGINE_ARGS:-}; do args+=(--engine-arg "$field"); done
 [ -n "${NOTE:-}" ] && args+=(--note "$NOTE")
 out=bench/results/$SLUG-throughput$tag.json
-timeout "${THROUGHPUT_S:-560}" python3 -m bench.engine.throughput "${args[@]}" --out "$out" 2>&1 | quiet | tail -8
+if [ -n "${VERBOSE:-}" ]; then shown() { tr '\r' '\n' | tail -60; } else shown() { quiet | tail -8; } fi
+timeout "${THROUGHPUT_S:-560}" python3 -m bench.engine.throughput "${args[@]}" --out "$out" 2>&1 | shown
 bring_back throughput "$out"

@@ -178,8 +178,10 @@ class Workers:
     def stop(self) -> None:
         if not self.processes:
             return
-        if all(process.is_alive() for process in self.processes):
+        clean = all(process.is_alive() for process in self.processes)
+        if clean:
             dist.broadcast_object_list([Step(None, stop=True)], src=0, group=self.control)
+            _end_group(clean)  # while the workers end theirs
         for process in self.processes:
             try:
                 process.popen.wait(timeout=30)
@@ -187,7 +189,18 @@ class Workers:
                 process.popen.kill()
                 process.popen.wait()
         self.processes = []
+        if not clean:
+            _end_group(clean)
+
+
+def _end_group(clean: bool) -> None:
+    """Ends this rank's process groups. NCCL's orderly teardown is collective: every rank's destroy waits for the
+    others', so the ranks run it together, and where one is gone it would wait forever. Abort is not collective:
+    it frees this rank's communicators at once, for a group that lost a rank or a step."""
+    if clean:
         dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._abort_process_group()
 
 
 def _control_group(device: torch.device) -> dist.ProcessGroup:
@@ -218,6 +231,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
     dist.init_process_group(backend(device), init_method=init, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     control = _control_group(device)
+    stopped = False  # by rank 0, which ends its groups with this worker's
     try:
         dtype = config.torch_dtype(device)
         model_config = AutoConfig.from_pretrained(config.base_model)
@@ -237,6 +251,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
         while True:
             step = _receive(control)
             if step.stop:
+                stopped = True
                 break
             for load in step.loads:
                 pages = host[:len(load.pages)]
@@ -247,7 +262,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                     torch.cuda.current_stream().synchronize()  # before the host pages are packed again
             runner.run(step.inputs, step.logits_all, step.extra_rows)
     finally:
-        dist.destroy_process_group()
+        _end_group(stopped)
 
 
 def main(argv: list[str]) -> None:

@@ -75,8 +75,10 @@ class CudaGraphs:
 
     # --- replay ---------------------------------------------------------------------------------
 
-    def replay(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor | None:
-        """Logits of the step's sampled rows, from the smallest graph that holds the step; None: run it eagerly."""
+    def replay(self, inputs: StepInputs, decode_only: bool,
+               previous: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits of the step's sampled rows, from the smallest graph that holds the step; None: run it eagerly.
+        previous: the sampled tokens of the step before, for inputs.pending."""
         if len(inputs.logits_index) > self.max_batch_size:
             return None
         rows = inputs if decode_only else as_decode_rows(inputs)
@@ -84,14 +86,15 @@ class CudaGraphs:
         graph = self.graph_for(rows) if cheap else None
         if graph is None:
             return None
-        self.fill(rows, graph.batch)
+        self.fill(rows, graph.batch, previous)
         graph.graph.replay()
         if decode_only:
             return graph.logits[: inputs.num_decode]
         self.mixed_replays += 1
         if graph.batch > self.max_batch_size:  # the graph gathered the sampled rows (static_sample)
             return graph.logits[: len(inputs.logits_index)]
-        return graph.logits[torch.tensor(inputs.logits_index, dtype=torch.long, device=self.device)]
+        index = torch.tensor(inputs.logits_index, dtype=torch.long).to(self.device, non_blocking=True)
+        return graph.logits[index]
 
     def graph_for(self, inputs: StepInputs) -> DecodeGraph | None:
         """The smallest captured bucket that holds the step's rows (all decode rows), with LoRA if any uses it."""
@@ -101,19 +104,25 @@ class CudaGraphs:
                 return self.graphs[batch, lora]
         return None
 
-    def fill(self, inputs: StepInputs, batch: int) -> None:
-        """Copy the step's inputs into the bucket's static buffers: one pinned staging buffer, one copy."""
+    def fill(self, inputs: StepInputs, batch: int, previous: torch.Tensor | None = None) -> None:
+        """Copy the step's inputs into the bucket's static buffers: one pinned staging buffer, one copy; then the
+        pending inputs from `previous`, the sampled tokens of the step before."""
         pad = [0] * (batch - inputs.num_decode)
         s_cap = self._segment_cap(batch)
         order, starts, slots = segments(inputs.token_slots, batch, s_cap)
         sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
+        pending_at, pending_rows = [i for i, _ in inputs.pending], [row for _, row in inputs.pending]
         values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
-                  + inputs.decode_lens + pad + order + starts + slots + sample)
-        # The previous step's copies from these pinned buffers are complete: each step ends by reading its
-        # sampled tokens back, which waits for the stream.
-        ints = self.host_ints[: len(values)]
+                  + inputs.decode_lens + pad + order + starts + slots + sample + pending_at + pending_rows)
+        # Two staging buffers in turn, so that a step fills one while the copy out of the other, for the step in
+        # flight, may still run; the copy out of this one, two fills ago, is done (its event).
+        staging = self._staging
+        self._staging ^= 1
+        if self.staged[staging] is not None:
+            self.staged[staging].synchronize()
+        ints = self.host_ints[staging][: len(values)]
+        tables = self.host_tables[staging][:batch]
         ints.copy_(torch.tensor(values, dtype=torch.long))
-        tables = self.host_tables[:batch]
         tables.zero_()
         fill_tables(tables, inputs.decode_tables)
         staged = ints.to(self.device, non_blocking=True)
@@ -125,6 +134,12 @@ class CudaGraphs:
             tensor[:n].copy_(staged[offset:offset + n])
             offset += n
         self.static_tables[:batch].copy_(tables, non_blocking=True)
+        self.staged[staging] = torch.cuda.Event()
+        self.staged[staging].record()
+        if inputs.pending:
+            n = len(inputs.pending)
+            at, rows = staged[offset:offset + n], staged[offset + n:offset + 2 * n]
+            self.static_ids.index_copy_(0, at, previous.index_select(0, rows))
 
     def _segment_cap(self, batch: int) -> int:
         return min(batch, self.max_batch_size)  # segments are distinct adapters: at most one per request
@@ -142,9 +157,12 @@ class CudaGraphs:
         self.static_starts = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         self.static_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self.static_sample = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)  # rows to sample
-        # Host staging for one non-blocking copy per step.
-        self.host_ints = torch.zeros(7 * n + 1 + self.max_batch_size, dtype=torch.long, pin_memory=True)
-        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
+        # Host staging for one non-blocking copy per step, two sets used in turn (fill).
+        self.host_ints = [torch.zeros(9 * n + 1 + self.max_batch_size, dtype=torch.long, pin_memory=True)
+                          for _ in range(2)]
+        self.host_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.staged: list[torch.cuda.Event | None] = [None, None]  # each one's copies to the device, recorded
+        self._staging = 0
 
     def _capture_all(self) -> None:
         start = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +30,7 @@ from app.engine.step_timing import StepTiming
 from app.errors import AdapterInUse, AdapterLoadFailed
 from app.sampling.logprobs import EchoRows
 from app.sampling.params import SamplingParams
-from app.sampling.sampler import sample_batch, seed_for
+from app.sampling.sampler import SampledRows, launch_sampling, seed_for
 from prefetch.hints import HintBook
 from prefetch.metrics import Histogram
 from routing.wire import Hint, HintKind, ReplicaStats
@@ -37,6 +38,22 @@ from routing.wire import Hint, HintKind, ReplicaStats
 STALL_POLL_S = 0.002  # how long one step waits for a loading adapter when nothing else can run
 SECONDS_BUCKETS = (  # hint lead and adapter wait histograms
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device and not yet read back: its sampled requests, in row order, its echo rows and
+    its sampling."""
+
+    sampled: list[Request]
+    echo: EchoRows
+    rows: SampledRows
+    decode_only: bool
+    launched_at: float
+    # Its host parts' seconds before the launch (StepTiming), and the engine thread's CPU time over them.
+    admit_s: float = 0.0
+    launch_s: float = 0.0
+    host_cpu_s: float = 0.0
 
 
 class LLMEngine:
@@ -64,11 +81,17 @@ class LLMEngine:
         self.first_token_time = Histogram(SECONDS_BUCKETS)
         self.request_time = Histogram(SECONDS_BUCKETS)
         self.steps = 0
+        self.overlapped_steps = 0  # launched while the step before ran, not yet read back
         sampler = StallSampler(threshold_s=config.sample_stalls_ms / 1e3) if config.sample_stalls_ms > 0 else None
         self.timing = StepTiming(sampler=sampler)
         self.invariants = report.InvariantReport()
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
+        # The step launched and not yet read back, where steps overlap (config.overlap_steps): the host prepares
+        # and launches the next step while the GPU runs it. A tensor-parallel engine's workers take every input
+        # from the host, so its steps run one at a time.
+        self.overlap = config.overlap_steps and parts.runner.workers is None
+        self._in_flight: InFlight | None = None
 
     @property
     def waiting(self) -> list[Request]:
@@ -132,17 +155,21 @@ class LLMEngine:
             self._prefetch()  # start now: the request may be right behind
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.residency.is_loading()
+        return self.has_requests() or self.residency.is_loading()
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # --- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit, schedule, run, sample, stream."""
+        """Admit, schedule, launch the forward and the sampling, then stream the tokens of the step launched
+        before (of this one, where steps do not overlap)."""
         try:
             return self._step()
+        except BaseException:
+            self._in_flight = None  # its requests fail with the step (AsyncEngine)
+            raise
         finally:
             self.timing.mark(None)
 
@@ -151,11 +178,19 @@ class LLMEngine:
         self.steps += 1
         started, cpu_started = time.perf_counter(), time.thread_time()
         outputs = self._admit()
+        overlap = self._may_overlap()
+        if self._in_flight is not None and not overlap:
+            outputs += self._read_back()
         scheduled_at = admitted_at = time.perf_counter()
         cpu_at = time.thread_time()
         host_cpu = cpu_at - cpu_started  # the engine thread's CPU time over the parts timed as the host's
         self.timing.mark("before")
         plan = self.scheduler.schedule()
+        if plan.is_empty and self._in_flight is not None:  # what it ends frees rows, blocks and slots: admit again
+            outputs += self._read_back()
+            outputs += self._admit()
+            scheduled_at, cpu_at = time.perf_counter(), time.thread_time()
+            plan = self.scheduler.schedule()
         if plan.is_empty and self.waiting:
             outputs += self._stall()
             scheduled_at, cpu_at = time.perf_counter(), time.thread_time()
@@ -163,21 +198,51 @@ class LLMEngine:
         self._end_stall(plan)
         if plan.is_empty:
             return outputs
-        logits, echo, launched_at = self._run(plan)
-        host_cpu += time.thread_time() - cpu_at
-        self.timing.mark(None)
+        launched = self._launch(plan)
+        if launched is not None:
+            launched.admit_s, launched.launch_s = admitted_at - started, launched.launched_at - scheduled_at
+            launched.host_cpu_s = host_cpu + time.thread_time() - cpu_at
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self.overlapped_steps += 1
+            outputs += self._read(previous)
+        if not overlap and self._in_flight is not None:  # read back at once
+            outputs += self._read_back()
+        return outputs
+
+    def _may_overlap(self) -> bool:
+        """Can the next step launch before the one in flight is read back? Not where a running request's sampling
+        reads its own output (penalties, a grammar's matcher): that needs every token on the host."""
+        return self.overlap and not any(r.params.has_penalties or r.grammar is not None for r in self.running)
+
+    def _launch(self, plan: StepPlan) -> InFlight | None:
+        """The step's forward and sampling, launched; the tokens it samples are pending on their requests until
+        its read-back. None where it samples nothing."""
+        logits, echo = self._run(plan)
         sampled = [c.request for c in plan.chunks if c.samples]
         if not sampled and not echo.rows:
-            return outputs
-        # The step's one host sync: the tokens (and any logprobs) must reach the client.
-        choices, prompt_logprobs = sample_batch(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo,
-                                                logits[len(sampled):])
+            return None
+        rows = launch_sampling(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo, logits[len(sampled):])
+        for row, request in enumerate(sampled):
+            request.pending += 1
+            request.pending_row = row
+        return InFlight(sampled, echo, rows, plan.is_decode_only, time.perf_counter())
+
+    def _read_back(self) -> list[RequestOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        return self._read(in_flight)
+
+    def _read(self, step: InFlight) -> list[RequestOutput]:
+        """A launched step's tokens, read back (the step's one host sync: they must reach the client) and
+        streamed."""
+        self.timing.mark(None)
+        waited_from = time.perf_counter()
+        choices, prompt_logprobs = step.rows.read()
         synced_at, cpu_at = time.perf_counter(), time.thread_time()
         self.timing.mark("after")
-        outputs += self._stream(sampled, choices, echo, prompt_logprobs)
-        self.timing.observe(admitted_at - started, launched_at - scheduled_at, synced_at - launched_at,
-                            time.perf_counter() - synced_at, plan.is_decode_only, len(sampled),
-                            host_cpu + time.thread_time() - cpu_at)
+        outputs = self._stream(step, choices, prompt_logprobs)
+        self.timing.observe(step.admit_s, step.launch_s, synced_at - waited_from, time.perf_counter() - synced_at,
+                            step.decode_only, len(step.sampled), step.host_cpu_s + time.thread_time() - cpu_at)
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
@@ -202,28 +267,31 @@ class LLMEngine:
             self.residency.metrics.observe_stall(time.perf_counter() - self._stalled_since)
             self._stalled_since = None
 
-    def _run(self, plan: StepPlan) -> tuple[torch.Tensor, EchoRows, float]:
-        """The step's forward: logits of its sampled rows, then of the prompt rows echo's logprobs need; and when
-        it was launched."""
+    def _run(self, plan: StepPlan) -> tuple[torch.Tensor, EchoRows]:
+        """The step's forward: logits of its sampled rows, then of the prompt rows echo's logprobs need."""
         slots = sorted({c.request.slot for c in plan.chunks if c.request.slot is not None})
         self.residency.before_forward(slots)
         echo = EchoRows.of(plan.chunks)  # prompt positions whose logits echo's logprobs need
-        logits = self.runner.execute(plan, extra_rows=echo.rows)
-        launched_at = time.perf_counter()
+        previous = None if self._in_flight is None else self._in_flight.rows.tokens
+        logits = self.runner.execute(plan, extra_rows=echo.rows, previous=previous)
         self.residency.after_forward(slots)
         for chunk in plan.chunks:
             chunk.request.num_cached = chunk.end
-        return logits, echo, launched_at
+        return logits, echo
 
-    def _stream(self, sampled: list[Request], choices, echo: EchoRows, prompt_logprobs) -> list[RequestOutput]:
-        """Each sampled token into its request's output; requests that it ends finish."""
-        for owner, logprob in zip(echo.owners, prompt_logprobs):
+    def _stream(self, step: InFlight, choices, prompt_logprobs) -> list[RequestOutput]:
+        """Each sampled token into its request's output; requests that it ends finish. A request that ended after
+        the step launched (a stop in the step before, an abort) drops its token."""
+        for owner, logprob in zip(step.echo.owners, prompt_logprobs):
             owner.prompt_logprobs.append(logprob)
-        outputs = [append_token(r, t, lp, self.tokenizer, self.eos_ids, self.max_model_len)
-                   for r, (t, lp) in zip(sampled, choices)]
-        for request in sampled:
-            if request.finish_reason is not None:
-                self._finish(request)
+        outputs = []
+        for request, (token, logprob) in zip(step.sampled, choices):
+            request.pending -= 1
+            if request.finish_reason is None:
+                outputs.append(append_token(request, token, logprob, self.tokenizer, self.eos_ids,
+                                            self.max_model_len))
+                if request.finish_reason is not None:
+                    self._finish(request)
         return outputs
 
     def _prefetch(self) -> None:

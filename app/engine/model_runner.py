@@ -68,28 +68,32 @@ class ModelRunner:
         return StepInputs.of(plan, self.blocks.tables, self.block_size)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, logits_all: bool = False, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+    def execute(self, plan: StepPlan, logits_all: bool = False, extra_rows: Sequence[int] = (),
+                previous: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [sampled chunks + len(extra_rows), vocab] (or [T, vocab] with logits_all) for the step; the
         cache is updated. extra_rows: flat token indices (plan.chunks order) whose logits follow the sampled
-        rows' (echo's prompt logprobs), so only the requests that ask pay for them."""
+        rows' (echo's prompt logprobs), so only the requests that ask pay for them. previous: the sampled tokens
+        [rows] of the step before, on the device, where that step is not read back yet (StepInputs.pending)."""
         inputs = self.prepare(plan)
         if self.workers is not None:  # tensor parallelism: the other ranks run the same forward on their shards
+            assert not inputs.pending, "a tensor-parallel step's inputs are all on the host"
             self.workers.run(inputs, logits_all, extra_rows)
-        return self.run(inputs, logits_all, extra_rows)
+        return self.run(inputs, logits_all, extra_rows, previous)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, logits_all: bool = False, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+    def run(self, inputs: StepInputs, logits_all: bool = False, extra_rows: Sequence[int] = (),
+            previous: torch.Tensor | None = None) -> torch.Tensor:
         """execute's forward, from the step's inputs (a tensor-parallel worker runs rank 0's)."""
         if self.cuda_graphs is not None and not logits_all and not extra_rows:
-            logits = self.cuda_graphs.replay(inputs, decode_only=inputs.num_decode > 0 and not inputs.prefill_lens)
+            logits = self.cuda_graphs.replay(inputs, inputs.num_decode > 0 and not inputs.prefill_lens, previous)
             if logits is not None:
                 return logits
-        hidden = self._forward_eager(inputs)
+        hidden = self._forward_eager(inputs, previous)
         if not logits_all:
             hidden = hidden[torch.tensor(inputs.logits_index + list(extra_rows), dtype=torch.long, device=self.device)]
         return self.model.lm_head(hidden)
 
-    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward_eager(self, inputs: StepInputs, previous: torch.Tensor | None = None) -> torch.Tensor:
         dev, nd = self.device, inputs.num_decode
         t = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype, device=dev)  # noqa: E731
         decode_tables = None
@@ -111,8 +115,12 @@ class ModelRunner:
         # Eager: exactly one segment per distinct adapter (the kernels' grids scale with the segment count).
         distinct = len({slot for slot in inputs.token_slots if slot >= 0})
         self._set_lora(inputs.token_slots, len(inputs.token_slots), distinct)
+        input_ids = t(inputs.input_ids)
+        if inputs.pending:
+            at, rows = zip(*inputs.pending)
+            input_ids[t(at)] = previous[t(rows)]
         try:
-            out = self.model.model(input_ids=t(inputs.input_ids)[None], position_ids=t(inputs.positions)[None],
+            out = self.model.model(input_ids=input_ids[None], position_ids=t(inputs.positions)[None],
                                    use_cache=False)
         finally:
             self.attention.meta, self.lora.ctx.meta = None, None

@@ -43,7 +43,8 @@ def append_token(request: Request, token: int, logprob, tokenizer, eos_ids: set[
         text, finish = text[:at + len(stop) if params.include_stop_str_in_output else at], "stop"
     elif finish is None and request.grammar is not None and request.grammar.is_finished:
         finish = "stop"  # the JSON is complete: nothing but EOS could follow
-    elif finish is None and (len(request.output_ids) >= params.max_tokens or request.num_tokens >= max_model_len):
+    elif finish is None and (len(request.output_ids) >= params.max_tokens
+                             or len(request.prompt_ids) + len(request.output_ids) >= max_model_len):
         finish = "length"
     if finish and found is None and not exact:
         text = detokenizer.full()  # a stream ends with one full decode of its tokens

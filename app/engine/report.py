@@ -110,6 +110,7 @@ def metrics(engine: EngineState, drain_stalls: bool = False) -> dict:
     return {
         **stalls,
         "steps": engine.steps,
+        "overlapped_steps": engine.overlapped_steps,
         "queue_length": len(scheduler.waiting),
         "batch_size": len(scheduler.running),
         "kv_blocks_total": scheduler.blocks.num_blocks - 1,

@@ -12,6 +12,9 @@ from app.sampling.params import SamplingParams, StopChecker
 from app.sampling.structured import Grammar
 
 
+PENDING_TOKEN = -1  # an input position whose token the previous step sampled and the device still holds
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
@@ -49,20 +52,34 @@ class Request:
     # this one starts from once they are cached (app/engine/scheduler.py), instead of prefilling them again.
     prefix_source: Request | None = None
     prefix_tokens: int = 0
+    # Tokens sampled on the device and not yet read back (a step launched before the previous one is read:
+    # app/engine/overlap.py), and the newest one's row among its step's sampled rows.
+    pending: int = 0
+    pending_row: int = -1
 
     def __post_init__(self):
         self.stop_checker = StopChecker(self.params.stop)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids) + self.pending
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + self.num_output_tokens
+
+    @property
+    def has_all_tokens(self) -> bool:
+        """Its last token is sampled, not yet read back: no step has anything to feed it."""
+        return self.pending > 0 and self.num_output_tokens >= self.params.max_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of the prompt followed by the output."""
+        """Tokens [start, end) of the prompt followed by the output; PENDING_TOKEN where one is not yet read back."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
+        known = self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
+        return known + [PENDING_TOKEN] * (end - start - len(known))
 
 
 class PromptIndex:

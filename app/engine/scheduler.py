@@ -31,6 +31,10 @@ class Sequence(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def has_all_tokens(self) -> bool:
+        """Its last token is sampled (by a step not yet read back): nothing is left to feed it."""
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -98,7 +102,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        decoding = [r for r in self.running if r.num_tokens - r.num_cached == 1]
+        decoding = [r for r in self.running if r.num_tokens - r.num_cached == 1 and not r.has_all_tokens]
         for request in decoding:
             if request not in self.running:  # preempted for an older row earlier in this loop
                 continue

@@ -5,7 +5,7 @@ Every step's tokens are flattened into one row: decode rows first, one token eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from app.engine.scheduler import StepPlan
 
@@ -25,6 +25,9 @@ class StepInputs:
     prefill_query_starts: list[int]
     prefill_lens: list[int]
     logits_index: list[int]  # token index of each sampled chunk's last token, in plan.chunks order
+    # (token index, row): inputs whose token the previous step sampled and has not read back yet; the runner
+    # takes them from that step's sampled tokens on the device (input_ids holds PENDING_TOKEN there).
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan: StepPlan, tables: dict[str, list[int]], block_size: int) -> StepInputs:
@@ -35,6 +38,9 @@ class StepInputs:
             request, table = chunk.request, tables[chunk.request.request_id]
             first = len(inputs.input_ids)
             inputs.input_ids += request.token_ids(chunk.start, chunk.end)
+            known = len(request.prompt_ids) + len(request.output_ids)
+            if chunk.end > known:  # only the newest token can be pending: one step is read back at a time
+                inputs.pending.append((first + known - chunk.start, request.pending_row))
             positions = range(chunk.start, chunk.end)
             inputs.positions += positions
             inputs.slot_mapping += [table[p // bs] * bs + p % bs for p in positions]

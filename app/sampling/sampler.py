@@ -116,18 +116,54 @@ def sample_rows(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
 
 def sample_batch(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int], echo: EchoRows | None = None,
                  echo_logits: torch.Tensor | None = None) -> tuple[list[tuple[int, TokenLogprob | None]], list]:
-    """Every request's next token (and its logprobs where asked), and the echo rows' prompt logprobs.
+    """Every request's next token (and its logprobs where asked), and the echo rows' prompt logprobs: launch_sampling,
+    then its read()."""
+    return launch_sampling(logits, requests, eos_ids, echo, echo_logits).read()
+
+
+@dataclass
+class SampledRows:
+    """A step's token choice, launched on the device: `tokens` stay there (a next step launched before this one is
+    read takes its decode rows' inputs from them), and one copy of everything the host needs is under way."""
+
+    tokens: torch.Tensor  # [B] int64, on the logits' device
+    host: torch.Tensor  # float64: the tokens, then each row's packed logprobs (pack), then the echo rows'
+    ready: torch.cuda.Event | None  # when the copy into `host` is done (None: it is done)
+    ks: list[int | None]
+    k: int | None
+    echo: EchoRows | None
+
+    def read(self) -> tuple[list[tuple[int, TokenLogprob | None]], list]:
+        """(token, its logprobs or None) per row, and the echo rows' prompt logprobs: waits for the copy, the
+        step's one sync."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        host = self.host.tolist()
+        n = len(self.ks)
+        chosen = [int(t) for t in host[:n]]
+        width = 1 + 2 * self.k if self.k is not None else 0
+        sampled = unpack(host[n:n + n * width], chosen, width, self.ks) if self.k is not None else [None] * n
+        prompt = []
+        if self.echo is not None and self.echo.rows:
+            prompt = unpack(host[n + n * width:], self.echo.targets, 1 + 2 * self.echo.k,
+                            [r.params.prompt_logprobs for r in self.echo.owners])
+        return list(zip(chosen, sampled)), prompt
+
+
+def launch_sampling(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int], echo: EchoRows | None = None,
+                    echo_logits: torch.Tensor | None = None) -> SampledRows:
+    """Every request's next token, chosen on the device without waiting for it.
 
     logits [len(requests), V] are the raw logits; penalties (app/sampling/penalties.py), then each constrained
     row's grammar mask (app/sampling/structured.py) apply before the choice; logprobs read the raw values.
-    Everything comes back in one device-to-host copy: the step's one sync.
+    Everything the host needs comes back in one device-to-host copy, into pinned memory on CUDA.
     """
     params = [r.params for r in requests]
     chosen_from = apply_grammars(apply_penalties(logits, requests, eos_ids), requests)
     if all(p.is_greedy for p in params):  # sample_rows' choice for greedy rows, without its per-row device tensors
         tokens = chosen_from.argmax(-1)  # [B]
     else:
-        rows = RowParams.from_params(params, [r.seed for r in requests], [len(r.output_ids) for r in requests],
+        rows = RowParams.from_params(params, [r.seed for r in requests], [r.num_output_tokens for r in requests],
                                      logits.device)
         tokens = sample_rows(chosen_from, rows)  # [B]
     ks = [r.params.logprobs for r in requests]
@@ -138,18 +174,14 @@ def sample_batch(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int
     if echo is not None and echo.rows:
         targets = torch.tensor(echo.targets, dtype=torch.long).to(logits.device, non_blocking=True)
         parts.append(pack(echo_logits, targets, echo.k).flatten())
-    if len(parts) == 1:
-        return [(t, None) for t in tokens.tolist()], []
-    host = torch.cat(parts).tolist()
-    n = len(requests)
-    chosen = [int(t) for t in host[:n]]
-    width = 1 + 2 * k if k is not None else 0
-    sampled = unpack(host[n:n + n * width], chosen, width, ks) if k is not None else [None] * n
-    prompt = []
-    if echo is not None and echo.rows:
-        prompt = unpack(host[n + n * width:], echo.targets, 1 + 2 * echo.k,
-                        [r.params.prompt_logprobs for r in echo.owners])
-    return list(zip(chosen, sampled)), prompt
+    values = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if values.device.type != "cuda":
+        return SampledRows(tokens, values, None, ks, k, echo)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return SampledRows(tokens, host, ready, ks, k, echo)
 
 
 def masked_logits(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:

@@ -72,3 +72,29 @@ def _page(graph_model) -> int:
     """Bytes of one page (4 rank rows of every target) of graph_model in bf16."""
     config = LlamaConfig.from_pretrained(graph_model / "base")
     return PageLayout(target_shapes(config), max_rank=16).page_nbytes(torch.bfloat16)
+
+
+def test_overlapped_steps_replay_graphs_with_their_inputs_from_the_device(make_engine, graph_model, manifest):
+    """Steps launched before the one before is read back (overlap_steps) take their decode rows' tokens from that
+    step's sampled tokens on the device, in graph replays (decode and mixed) and eager steps alike: the tokens equal
+    steps run one at a time (up to near ties, as batches of other rows round bf16 differently) and PEFT's."""
+    names = ["a0", "a1", "a2"]
+    prompts = manifest["prompts"]
+    jobs = [(prompts[i % len(prompts)] * (1 + i % 2), ([None] + names)[i % 4]) for i in range(10)]
+    outputs = {}
+    for overlap in (False, True):
+        engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
+                             adapter_roots=(str(graph_model / "adapters"),), num_slots=4, compile_decode=False,
+                             max_prefill_tokens_per_step=16, overlap_steps=overlap)
+        for name in names:
+            engine.register_adapter(name, str(graph_model / "adapters" / name))
+        requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
+        tokens = run_all(engine, check=True)
+        outputs[overlap] = [tokens[r.request_id] for r in requests]
+        assert (engine.overlapped_steps > engine.steps // 2) == overlap and engine.runner.mixed_replays > 0
+    same = sum(a == b for a, b in zip(outputs[True], outputs[False]))
+    assert same >= 9, f"{same}/10 identical between overlapped steps and steps one at a time"
+    for (prompt, adapter), got in zip(jobs, outputs[True]):
+        tokens, scores, _ = bf16_reference(graph_model, None if adapter is None else f"adapters/{adapter}", prompt,
+                                          MAX_NEW)
+        assert agrees_up_to_near_tie(got, tokens, scores), (adapter, got, tokens)

@@ -94,12 +94,12 @@ def test_prefill_tokens_as_decode_rows_equal_prefill(make_engine, manifest, adap
     engine = make_engine(num_slots=8, max_prefill_tokens_per_step=7)
     forward, converted = engine.runner._forward_eager, []
 
-    def rows_forward(inputs):
+    def rows_forward(inputs, previous=None):
         if inputs.prefill_tables:
             converted.append(inputs.num_decode)
             inputs = as_decode_rows(inputs)
             assert not inputs.prefill_tables and inputs.num_decode == len(inputs.input_ids)
-        return forward(inputs)
+        return forward(inputs, previous)
 
     monkeypatch.setattr(engine.runner, "_forward_eager", rows_forward)
     assert generate(engine, work) == whole

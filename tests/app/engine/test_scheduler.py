@@ -15,6 +15,7 @@ class Seq:
     output: list = field(default_factory=list)
     num_cached: int = 0
     slot: int | None = None
+    has_all_tokens: bool = False
 
     @property
     def num_tokens(self) -> int:

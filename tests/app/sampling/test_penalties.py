@@ -27,6 +27,10 @@ class Row:
     output_ids: list[int] = field(default_factory=list)
     seed: int = 0
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
 
 class OpenAIPenalties(LogitsProcessor):
     """OpenAI's formula over the generated tokens only, written out directly:

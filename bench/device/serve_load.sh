@@ -15,7 +15,14 @@
 # PART=replicas, two GPUs (nvidia-h200-x2): 1 and 2 replicas, each behind the adapter-affinity router and Serve's
 # default router, SIZE (tiny) demo, 400 streaming requests of 64 tokens sent at once, uniform over the adapters.
 #   PART=replicas bash bench/device/serve_load.sh
-# REQUESTS (256; 400 for PART=replicas), SERVE_S (the time limit of one run, 180 s; 420 s for PART=replicas).
+# PART=scaling, 2 or 4 GPUs: Llama-3-8B shapes, first one engine's offline throughput (bench/device/throughput.sh at
+# BATCH, over ADAPTERS: the ceiling one replica cannot pass), then REPLICAS (1 2, and 4 on four GPUs) replicas of a GPU
+# each behind ROUTERS (adapter_affinity), REQUESTS streams of 128 tokens (64-word prompts) sent at once, uniform
+# over ADAPTERS (32) in 32 slots, at most 8 × BATCH (32) × the largest replica count in flight.
+#   PART=scaling bash bench/device/serve_load.sh                       # ~2 min a replica count, plus ~2 min
+#   PART=scaling ROUTERS=serve_default REPLICAS="2 4" OFFLINE=0 bash bench/device/serve_load.sh
+# REQUESTS (256; 400 for PART=replicas; 1024 for PART=scaling), SERVE_S (the time limit of one run, 180 s; 420 s for
+# PART=replicas; 540 s for PART=scaling).
 # Results: bench/results/<slug>-serve-uniform-<size><TAG>[-engine-<loop>-stream<ms>ms[-serve-proxy][-uncompiled]].json,
 # copied to $OUT.
 WHEELS=${WHEELS-.whl-serve}
@@ -46,5 +53,21 @@ replicas)
     --workload uniform --tag="${TAG:-}" 2>&1 | grep -vE "^\s*$|requests:|INFO|WARN" | tail -60
   ray stop --force >/dev/null 2>&1
   bring_back serve_load $(written "$SLUG-serve-uniform-$size*.json") ;;
-*) echo "PART is engine or replicas, not ${PART}"; exit 2 ;;
+scaling)
+  [ "$GPUS" -lt 2 ] && echo "PART=scaling compares replicas of a GPU each: it needs 2 GPUs or more, not $GPUS" && exit 2
+  batch=${BATCH:-32} adapters=${ADAPTERS:-32}
+  replicas=${REPLICAS:-1 2 $([ "$GPUS" -ge 4 ] && echo 4)}
+  if [ "${OFFLINE:-1}" != 0 ]; then
+    BATCH=$batch ADAPTERS=$adapters TAG=-c$batch-a$adapters-scaling-ceiling THROUGHPUT_S=200 \
+      bash bench/device/throughput.sh 2>&1 | grep -E "tok/s|wrote|rror"
+  fi
+  most=$(echo $replicas | tr ' ' '\n' | sort -n | tail -1)
+  timeout "${SERVE_S:-540}" python3 -m bench.serve.load --launch --replicas $replicas \
+    --router ${ROUTERS:-adapter_affinity} --size llama3-8b-shape --adapters "$adapters" --slots 32 --batch "$batch" \
+    --num-requests "${REQUESTS:-1024}" --rate 0 --max-tokens 128 --prompt-words 64 \
+    --max-concurrency $((8 * batch * most)) --workload uniform \
+    --tag="${TAG:--scaling-a$adapters}" 2>&1 | grep -vE "^\s*$|requests:|INFO|WARN|it/s\]" | tail -60
+  ray stop --force >/dev/null 2>&1
+  bring_back serve_load $(written "$SLUG-serve-uniform-llama3-8b-shape*.json") $(written "$SLUG-throughput-*.json") ;;
+*) echo "PART is engine, replicas or scaling, not ${PART}"; exit 2 ;;
 esac

@@ -52,8 +52,8 @@ class Request:
     # this one starts from once they are cached (app/engine/scheduler.py), instead of prefilling them again.
     prefix_source: Request | None = None
     prefix_tokens: int = 0
-    # Tokens sampled on the device and not yet read back (a step launched before the previous one is read:
-    # app/engine/overlap.py), and the newest one's row among its step's sampled rows.
+    # Tokens sampled on the device and not yet read back (EngineConfig.overlap_steps: a step launches before the
+    # one before it is read back), and the newest one's row among its step's sampled rows.
     pending: int = 0
     pending_row: int = -1
 

@@ -81,8 +81,7 @@ class EngineConfig:
     overlap_steps: bool = Field(
         default=False, description="Launch each engine step before the previous one's tokens are read back, so the "
         "host plans and launches the next step while the GPU runs this one. Steps run one at a time while a running "
-        "request uses penalties or a response_format (its sampling reads its own output), and with "
-        "tensor_parallel_size > 1.")
+        "request uses penalties or a response_format (its sampling reads its own output).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (false: load on demand, synchronously).")
     max_inflight_loads: int = Field(default=2, ge=1, description="Adapter loads under way at once per replica.")
     hint_ttl_s: float = Field(default=30.0, gt=0, description="How long a replica keeps a hint whose request has "

@@ -88,9 +88,8 @@ class LLMEngine:
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
         # The step launched and not yet read back, where steps overlap (config.overlap_steps): the host prepares
-        # and launches the next step while the GPU runs it. A tensor-parallel engine's workers take every input
-        # from the host, so its steps run one at a time.
-        self.overlap = config.overlap_steps and parts.runner.workers is None
+        # and launches the next step while the GPU runs it.
+        self.overlap = config.overlap_steps
         self._in_flight: InFlight | None = None
 
     @property
@@ -223,6 +222,8 @@ class LLMEngine:
         if not sampled and not echo.rows:
             return None
         rows = launch_sampling(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo, logits[len(sampled):])
+        if sampled and self.runner.workers is not None:
+            self.runner.workers.share_tokens(rows.tokens)
         for row, request in enumerate(sampled):
             request.pending += 1
             request.pending_row = row

@@ -76,7 +76,6 @@ class ModelRunner:
         [rows] of the step before, on the device, where that step is not read back yet (StepInputs.pending)."""
         inputs = self.prepare(plan)
         if self.workers is not None:  # tensor parallelism: the other ranks run the same forward on their shards
-            assert not inputs.pending, "a tensor-parallel step's inputs are all on the host"
             self.workers.run(inputs, logits_all, extra_rows)
         return self.run(inputs, logits_all, extra_rows, previous)
 

@@ -7,6 +7,8 @@ each forward, `Workers.run` broadcasts a `Step` over a gloo group: the step's in
 how the forward runs, and the adapter loads rank 0 made since the last step (slot, pages, the adapter's spec). Each
 worker first reads those adapters from their files and writes its shard of each into the same slot and pages of its
 own pool, then runs the same forward; the all-reduces inside it make every rank's hidden states the whole ones.
+After a step that samples, rank 0 broadcasts the sampled tokens on the device, so that with overlapped steps a
+worker, too, takes the next step's pending inputs from them.
 Rank 0's scheduler admits a request only once its adapter's load is done on rank 0, and the worker's copy of that
 load travels ahead of the step's inputs, so no worker runs a step on an adapter it has not written. Warm-up steps
 and CUDA graph captures run in the same order on every rank (each rank's ModelRunner makes them at start-up), so
@@ -175,6 +177,11 @@ class Workers:
             loads, self._loads = tuple(self._loads), []
         dist.broadcast_object_list([Step(inputs, logits_all, tuple(extra_rows), loads)], src=0, group=self.control)
 
+    def share_tokens(self, tokens: torch.Tensor) -> None:
+        """A step's sampled tokens [rows], on the device, to every worker (one broadcast on the step's stream): a step
+        launched before this one is read back takes its decode rows' inputs from them on every rank."""
+        dist.broadcast(tokens, src=0)
+
     def stop(self) -> None:
         if not self.processes:
             return
@@ -248,6 +255,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                              max_graph_tokens=config.max_graph_tokens)
         host = [torch.empty(layout.page_numel, dtype=dtype, pin_memory=device.type == "cuda")
                 for _ in range(layout.max_pages)]
+        previous = None  # the last step's sampled tokens, as rank 0 shares them
         while True:
             step = _receive(control)
             if step.stop:
@@ -260,7 +268,10 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                 lora.write_slot(load.slot, list(load.pages), pages, scales, load.rank)
                 if device.type == "cuda":
                     torch.cuda.current_stream().synchronize()  # before the host pages are packed again
-            runner.run(step.inputs, step.logits_all, step.extra_rows)
+            runner.run(step.inputs, step.logits_all, step.extra_rows, previous)
+            if not step.logits_all and step.inputs.logits_index:  # rank 0 sampled: Workers.share_tokens
+                previous = torch.empty(len(step.inputs.logits_index), dtype=torch.long, device=device)
+                dist.broadcast(previous, src=0)
     finally:
         _end_group(stopped)
 

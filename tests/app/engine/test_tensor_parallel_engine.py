@@ -1,6 +1,6 @@
 """An engine sharded over two workers (tensor_parallel_size 2, gloo on CPU, float32) serves PEFT's own output:
-greedy tokens of the base and two adapters in one mixed batch equal PeftModel.generate, and prompt logits agree
-within 1e-4, for Llama (with q/k/v and MLP biases) and Phi-3 (fused projections); Qwen2 is served so through Serve
+greedy tokens of the base and two adapters in one mixed batch equal PeftModel.generate, with overlapped steps
+(each worker takes its pending inputs from rank 0's sampled tokens), and prompt logits agree within 1e-4, for Llama (with q/k/v and MLP biases) and Phi-3 (fused projections); Qwen2 is served so through Serve
 (tests/deploy/test_served_architectures.py). Sizes that cannot shard the model are refused at start-up, by name,
 before any worker starts. A worker that dies fails the next step by name (503 for the requests in flight) and ends
 the engine loop, so the replica's health check fails."""
@@ -48,7 +48,8 @@ def served(request, tmp_path_factory, demo_dir):
     root = tmp_path_factory.mktemp(name)
     info = build_case(root, name, Path(demo_dir) / "base", **overrides)
     references = peft_references(root, info["adapters"], PROMPTS, MAX_NEW)
-    engine = LLMEngine(engine_config(root, num_slots=4, tensor_parallel_size=2, max_prefill_tokens_per_step=8))
+    engine = LLMEngine(engine_config(root, num_slots=4, tensor_parallel_size=2, max_prefill_tokens_per_step=8,
+                                     overlap_steps=True))  # the workers' pending inputs come from rank 0's tokens
     for adapter in info["adapters"]:
         engine.register_adapter(adapter, str(root / "adapters" / adapter))
     yield engine, references
@@ -62,6 +63,7 @@ def test_two_workers_serve_peft_s_greedy_tokens_in_one_mixed_batch(served):
     tokens = run_all(engine, check=True)
     for request_id, key in keys.items():
         assert tokens[request_id] == references[key][0], key
+    assert engine.overlapped_steps > 0
 
 
 def test_two_workers_give_peft_s_prompt_logits_within_1e_4(served):

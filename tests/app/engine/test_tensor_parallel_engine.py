@@ -1,6 +1,7 @@
 """An engine sharded over two workers (tensor_parallel_size 2, gloo on CPU, float32) serves PEFT's own output:
 greedy tokens of the base and two adapters in one mixed batch equal PeftModel.generate, with overlapped steps
-(each worker takes its pending inputs from rank 0's sampled tokens), and prompt logits agree within 1e-4, for Llama (with q/k/v and MLP biases) and Phi-3 (fused projections); Qwen2 is served so through Serve
+(each worker takes its pending inputs from rank 0's sampled tokens), and prompt logits agree within 1e-4, for
+Llama (with q/k/v and MLP biases) and Phi-3 (fused projections); Qwen2 is served so through Serve
 (tests/deploy/test_served_architectures.py). Sizes that cannot shard the model are refused at start-up, by name,
 before any worker starts. A worker that dies fails the next step by name (503 for the requests in flight) and ends
 the engine loop, so the replica's health check fails."""

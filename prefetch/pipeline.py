@@ -33,8 +33,11 @@ class PrefetchPipeline:
     """
 
     def __init__(self, pool: SlotPool, host_cache: HostCache, copier, metrics: PrefetchMetrics,
-                 pages_of: Callable[[str], int], max_inflight: int = 2):
+                 pages_of: Callable[[str], int], max_inflight: int = 2,
+                 began: Callable[[int, str], None] | None = None):
+        """began(slot, adapter_id): a load into `slot` began (its pages are the pool's), before its host read."""
         self.pool = pool
+        self.began = began
         self.host_cache = host_cache
         self.copier = copier
         self.metrics = metrics
@@ -103,6 +106,8 @@ class PrefetchPipeline:
                 self.metrics.wasted_prefetches += 1
                 self.metrics.wasted_prefetch_bytes += nbytes
         slot = self.pool.begin_load(adapter_id, self.pages_of(adapter_id))
+        if self.began is not None:
+            self.began(slot, adapter_id)
         host = self.host_cache.fetch(adapter_id)
         self.host_cache.hold(adapter_id)
         self.loads[slot] = Load(adapter_id, slot, is_prefetch, host)

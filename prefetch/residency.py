@@ -29,13 +29,16 @@ class Residency:
     def __init__(self, config, layout: PageLayout, pool: SlotPool, write_slot: WriteSlot,
                  read_parts: Callable[[str], Mapping], rank_of: Callable[[str], int], device: torch.device,
                  dtype: torch.dtype, fetch_ahead: Callable[[list[str], frozenset[str]], int] | None = None,
-                 on_node: Callable[[str], bool] | None = None, is_fetching: Callable[[str], bool] | None = None):
+                 on_node: Callable[[str], bool] | None = None, is_fetching: Callable[[str], bool] | None = None,
+                 began: Callable[[int, str], None] | None = None):
         """write_slot: copies a packed adapter into its device pages (LoRASlots.write_slot); runs on the copier.
         read_parts(adapter_id) -> what PageLayout.pack takes; called on disk worker threads.
         rank_of(adapter_id) -> its registered (largest) rank, which sets the pages it needs.
         fetch_ahead(adapter_ids, urgent), on_node(adapter_id), is_fetching(adapter_id): the node cache of remote
         adapters (AdapterRegistry): start fetches, nearest need first (urgent: those of requests queued here),
-        whether an adapter's files are on this node, and whether a fetch of them is under way."""
+        whether an adapter's files are on this node, and whether a fetch of them is under way.
+        began(slot, adapter_id): a load into `slot` began, on the engine thread (a tensor-parallel engine's workers
+        start theirs)."""
         self._fetch_ahead, self._on_node, self._is_fetching = fetch_ahead, on_node, is_fetching
         self.layout, self.pool = layout, pool
         self.device, self.dtype = device, dtype
@@ -45,7 +48,7 @@ class Residency:
                                      min_pages=layout.max_pages)
         self.host_cache = HostCache(arena, self._read, self.pages_of, workers=config.disk_workers)
         self.pipeline = PrefetchPipeline(pool, self.host_cache, make_copier(device, write_slot), self.metrics,
-                                         self.pages_of, config.max_inflight_loads)
+                                         self.pages_of, config.max_inflight_loads, began)
         self.draining: int | None = None  # a pinned slot that takes no new requests, so it can be reused
 
     def pages_of(self, adapter_id: str) -> int:

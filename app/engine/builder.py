@@ -98,13 +98,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
                           config.max_graph_tokens)  # a graph bucket's padded rows too
     lora = LoRASlots(model, layout, num_pages, num_slots, t_cap=max_step_tokens)
     pool = SlotPool(num_pages, num_slots)
-    write_slot, read_parts = lora.write_slot, partial(_read_parts, registry)
-    if workers is not None:  # rank 0 holds its shard of each adapter; each load goes to the other ranks too
-        write_slot = partial(_write_slot_everywhere, lora, pool, registry, workers)
+    read_parts, began = partial(_read_parts, registry), None
+    if workers is not None:  # rank 0 holds its shard of each adapter; each load begins on the other ranks too
         read_parts = partial(_read_shard, registry, plan)
-    residency = Residency(config, layout, pool, write_slot, read_parts,
+        began = partial(_begin_everywhere, pool, registry, workers)
+    residency = Residency(config, layout, pool, lora.write_slot, read_parts,
                           lambda adapter_id: registry.get(adapter_id).rank, device, dtype,
-                          *((registry.fetch_ahead, registry.on_node, registry.is_fetching) if remote else ()))
+                          *((registry.fetch_ahead, registry.on_node, registry.is_fetching) if remote else
+                            (None, None, None)), began=began)
     blocks = BlockManager(kv_cache_blocks(config, model.config, dtype, device, max_model_len), config.block_size)
     if workers is not None:
         workers.send_sizes(Sizes(num_pages, num_slots, blocks.num_blocks, max_step_tokens))
@@ -129,10 +130,9 @@ def _check_tensor_parallel(config: EngineConfig, model_config: PretrainedConfig,
                                f"{torch.cuda.device_count()}")
 
 
-def _write_slot_everywhere(lora: LoRASlots, pool: SlotPool, registry: AdapterRegistry, workers: Workers,
-                           slot: int, pages, host_pages, scales, rank: int) -> None:
-    lora.write_slot(slot, pages, host_pages, scales, rank)
-    workers.load(slot, pages, registry.get(pool.slots[slot].adapter_id), rank)
+def _begin_everywhere(pool: SlotPool, registry: AdapterRegistry, workers: Workers, slot: int, adapter_id: str) -> None:
+    spec = registry.get(adapter_id)
+    workers.load(slot, pool.slots[slot].pages, spec, spec.rank)
 
 
 def _read_shard(registry: AdapterRegistry, plan, adapter_id: str):

@@ -4,15 +4,13 @@ running every forward the engine runs, in step with it.
 
 The engine's own process is rank 0. It alone schedules, samples, and owns the adapter registry and residency. Before
 each forward, `Workers.run` broadcasts a `Step` over a gloo group: the step's inputs (app/engine/step_inputs.py),
-how the forward runs, and the adapter loads rank 0 made since the last step (slot, pages, the adapter's spec). Each
-worker first reads those adapters from their files and writes its shard of each into the same slot and pages of its
-own pool, then runs the same forward; the all-reduces inside it make every rank's hidden states the whole ones.
-After a step that samples, rank 0 broadcasts the sampled tokens on the device, so that with overlapped steps a
-worker, too, takes the next step's pending inputs from them.
-Rank 0's scheduler admits a request only once its adapter's load is done on rank 0, and the worker's copy of that
-load travels ahead of the step's inputs, so no worker runs a step on an adapter it has not written. Warm-up steps
-and CUDA graph captures run in the same order on every rank (each rank's ModelRunner makes them at start-up), so
-their collectives pair up.
+how the forward runs, and the adapter loads rank 0 began since the last step (slot, pages, the adapter's spec). Each
+worker starts reading its shard of those adapters from their files on a thread (`ShardLoads`), writes each into the
+same slot and pages of its own pool once read and at the latest before a step that uses the slot, and runs the
+same forward; the all-reduces inside it make every rank's hidden states the whole ones. After a step that samples,
+rank 0 broadcasts the sampled tokens on the device, so that with overlapped steps a worker, too, takes the next
+step's pending inputs from them. Warm-up steps and CUDA graph captures run in the same order on every rank (each
+rank's ModelRunner makes them at start-up), so their collectives pair up.
 
 Adapters reach the workers from their files, so an engine with workers takes local adapter roots only.
 """
@@ -26,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -162,7 +161,8 @@ class Workers:
         dist.broadcast_object_list([sizes], src=0, group=self.control)
 
     def load(self, slot: int, pages, spec: AdapterSpec, rank: int) -> None:
-        """Any thread (the copier's): sent with the next step."""
+        """A load into `slot` began on rank 0 (the engine thread): sent with the next step, so that every worker
+        reads its shard while rank 0 reads its own."""
         spec = dataclasses.replace(spec, **{name: dict(getattr(spec, name)) for name in  # read-only views: unpicklable
                                             ("module_ranks", "module_scales", "module_shapes")})
         with self._lock:
@@ -229,6 +229,53 @@ def shard_parts(plan: ShardPlan, parts):
     return sharded
 
 
+class ShardLoads:
+    """A worker's adapter loads. Each one's read (the file, this rank's shard of it, packed into host pages) runs on
+    a thread from the step that brings it, as rank 0's own read does; its copy into the slot goes on the step
+    stream at a step boundary once the read is done, and at the latest before the first step that uses the slot.
+    Steps launched earlier that read the slot's previous adapter come first in stream order. A later load into
+    the same slot replaces one not yet written."""
+
+    def __init__(self, plan: ShardPlan, layout: PageLayout, lora: LoRASlots, device: torch.device,
+                 dtype: torch.dtype):
+        self.plan, self.layout, self.lora, self.device, self.dtype = plan, layout, lora, device, dtype
+        self.reads = ThreadPoolExecutor(2, thread_name_prefix="shard-read")
+        self.pending: dict[int, tuple[Load, Future]] = {}  # slot -> its newest load not yet written
+        self.failed: dict[int, Exception] = {}  # slot -> why its newest load could not be read
+        self._copying: list[tuple[object, list[torch.Tensor]]] = []  # (event, host pages) until the copy is done
+
+    def begin(self, load: Load) -> None:
+        self.failed.pop(load.slot, None)
+        self.pending[load.slot] = (load, self.reads.submit(self._read, load))
+
+    def _read(self, load: Load) -> tuple[list[torch.Tensor], torch.Tensor]:
+        pages = [torch.empty(self.layout.page_numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+                 for _ in load.pages]
+        scales = self.layout.pack(shard_parts(self.plan, read_adapter(load.spec).flat_parts()), pages)
+        return pages, scales
+
+    def write(self, needed: set[int]) -> None:
+        """Write every load whose read is done, waiting for those of the `needed` slots (the next step's)."""
+        self._copying = [(event, pages) for event, pages in self._copying if not event.query()]
+        for slot, (load, future) in list(self.pending.items()):
+            if slot not in needed and not future.done():
+                continue
+            del self.pending[slot]
+            try:
+                pages, scales = future.result()
+            except Exception as e:  # rank 0 fails its own load the same way and admits nothing onto the slot
+                self.failed[slot] = e
+                continue
+            self.lora.write_slot(slot, list(load.pages), pages, scales.to(self.device), load.rank)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                self._copying.append((event, pages))
+        for slot in needed & self.failed.keys():
+            raise RuntimeError(f"slot {slot}: this worker could not read its shard of the adapter rank 0 loaded "
+                               f"there: {self.failed[slot]}")
+
+
 def worker_main(rank: int, init: str, config: EngineConfig) -> None:
     """A worker process: joins the group, loads its shard, then runs what rank 0 sends until it stops."""
     device = rank_device(config, rank)
@@ -253,8 +300,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                              config.max_batch_size, model.config.max_position_embeddings,
                              use_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
                              max_graph_tokens=config.max_graph_tokens)
-        host = [torch.empty(layout.page_numel, dtype=dtype, pin_memory=device.type == "cuda")
-                for _ in range(layout.max_pages)]
+        loads = ShardLoads(plan, layout, lora, device, dtype)
         previous = None  # the last step's sampled tokens, as rank 0 shares them
         while True:
             step = _receive(control)
@@ -262,12 +308,8 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                 stopped = True
                 break
             for load in step.loads:
-                pages = host[:len(load.pages)]
-                parts = shard_parts(plan, read_adapter(load.spec).flat_parts())
-                scales = layout.pack(parts, pages).to(device)
-                lora.write_slot(load.slot, list(load.pages), pages, scales, load.rank)
-                if device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()  # before the host pages are packed again
+                loads.begin(load)
+            loads.write({slot for slot in step.inputs.token_slots if slot >= 0})
             runner.run(step.inputs, step.logits_all, step.extra_rows, previous)
             if not step.logits_all and step.inputs.logits_index:  # rank 0 sampled: Workers.share_tokens
                 previous = torch.empty(len(step.inputs.logits_index), dtype=torch.long, device=device)

@@ -234,7 +234,7 @@ class ShardLoads:
     a thread from the step that brings it, as rank 0's own read does; its copy into the slot goes on the step
     stream at a step boundary once the read is done, and at the latest before the first step that uses the slot.
     Steps launched earlier that read the slot's previous adapter come first in stream order. A later load into
-    the same slot replaces one not yet written."""
+    the same slot or pages replaces one not yet written."""
 
     def __init__(self, plan: ShardPlan, layout: PageLayout, lora: LoRASlots, device: torch.device,
                  dtype: torch.dtype):
@@ -245,6 +245,12 @@ class ShardLoads:
         self._copying: list[tuple[object, list[torch.Tensor]]] = []  # (event, host pages) until the copy is done
 
     def begin(self, load: Load) -> None:
+        """A load rank 0 began. Rank 0 gave its slot and pages to it only after nothing used them: a load not yet
+        written into them is void."""
+        claimed = set(load.pages)
+        for slot, (earlier, _) in list(self.pending.items()):
+            if slot == load.slot or claimed & set(earlier.pages):
+                del self.pending[slot]
         self.failed.pop(load.slot, None)
         self.pending[load.slot] = (load, self.reads.submit(self._read, load))
 

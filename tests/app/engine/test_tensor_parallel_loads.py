@@ -3,6 +3,14 @@ the step that brings the load, as rank 0 reads its own, and writes it into the s
 it. (A module of its own: a process holds one tensor-parallel engine, and test_tensor_parallel_engine.py keeps one
 for the whole module.)"""
 
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.engine.workers import Load, ShardLoads
 from engine_helpers import greedy, jobs, run_all
 
 MAX_NEW = 12
@@ -22,3 +30,52 @@ def test_adapters_churning_through_two_slots_serve_the_tokens_of_one_process(mak
     sharded = make_engine(num_slots=2, tensor_parallel_size=2, overlap_steps=True)
     assert serve(sharded) == alone
     assert sharded.metrics()["evictions"] >= len(adapter_names)
+
+
+class Loads(ShardLoads):
+    """ShardLoads whose reads wait for the test's word (each load's adapter id names its gate)."""
+
+    def __init__(self):
+        super().__init__(plan=None, layout=None, lora=self, device=torch.device("cpu"), dtype=torch.float32)
+        self.gates: dict[str, threading.Event] = {}
+        self.written: list[tuple[int, str]] = []
+
+    def _read(self, load):
+        if not self.gates[load.spec.adapter_id].wait(timeout=10):
+            raise TimeoutError(load.spec.adapter_id)
+        if load.spec.adapter_id.startswith("broken"):
+            raise OSError(f"cannot read {load.spec.adapter_id}")
+        return [], torch.zeros(1)
+
+    def write_slot(self, slot, pages, host_pages, scales, rank):  # the worker's LoRASlots
+        self.written.append((slot, self.adapter_in[slot]))
+
+    def begin_load(self, slot: int, pages: tuple[int, ...], adapter_id: str, done: bool = True) -> None:
+        self.gates[adapter_id] = threading.Event()
+        if done:
+            self.gates[adapter_id].set()
+        self.adapter_in = {**getattr(self, "adapter_in", {}), slot: adapter_id}
+        self.begin(Load(slot, pages, SimpleNamespace(adapter_id=adapter_id), rank=4))
+
+
+def test_a_load_waits_for_its_read_only_when_a_step_needs_its_slot_and_a_newer_load_voids_an_unwritten_one():
+    loads = Loads()
+    loads.begin_load(1, (3, 4), "slow", done=False)
+    loads.write(needed=set())  # nothing needs slot 1 yet: the step goes on without waiting
+    assert loads.written == []
+    loads.begin_load(2, (3, 4), "fresh")  # rank 0 evicted slot 1 and gave its pages to slot 2
+    loads.write(needed={2})
+    loads.gates["slow"].set()
+    time.sleep(0.05)
+    loads.write(needed=set())
+    assert loads.written == [(2, "fresh")]  # the void load never overwrites pages 3 and 4
+
+    loads.begin_load(5, (7,), "late", done=False)
+    threading.Timer(0.2, loads.gates["late"].set).start()
+    loads.write(needed={5})  # the step that uses slot 5 waits for its read
+    assert loads.written[-1] == (5, "late")
+
+    loads.begin_load(6, (8,), "broken")
+    loads.write(needed=set())  # a failed read that no step needs fails nothing
+    with pytest.raises(RuntimeError, match="slot 6: this worker could not read its shard"):
+        loads.write(needed={6})

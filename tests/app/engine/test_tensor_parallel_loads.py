@@ -29,7 +29,7 @@ def test_adapters_churning_through_two_slots_serve_the_tokens_of_one_process(mak
     alone = serve(make_engine(num_slots=2))
     sharded = make_engine(num_slots=2, tensor_parallel_size=2, overlap_steps=True)
     assert serve(sharded) == alone
-    assert sharded.metrics()["evictions"] >= len(adapter_names)
+    assert sharded.metrics()["evictions"] >= len({a for _, a in work if a is not None}) - 2  # all came through
 
 
 class Loads(ShardLoads):

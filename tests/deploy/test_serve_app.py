@@ -13,15 +13,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from transformers import AutoTokenizer
 
-from app.engine.config import EngineConfig
-from app.engine.engine import LLMEngine
-from app.sampling.params import SamplingParams
 from deploy.state import find_router_state
-from engine_helpers import TEST_HOST_CACHE_BYTES
-from traffic import wait_for
+from traffic import PROMPT, demo_adapters, expected_texts, wait_for
 from web import HTTP
-
-PROMPT = "Tell me a story."
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +24,9 @@ def manifest(demo_dir):
 
 
 @pytest.fixture(scope="module")
-def expected(demo_dir, manifest):
+def expected(demo_dir):
     """Engine-alone greedy text for every adapter and the base model."""
-    engine = LLMEngine(EngineConfig(base_model=f"{demo_dir}/base", adapter_roots=(f"{demo_dir}/adapters",),
-                                    device="cpu", dtype="float32", num_slots=8,
-                                    host_cache_bytes=TEST_HOST_CACHE_BYTES))
-    out = {}
-    for adapter in [None] + [a["name"] for a in manifest["adapters"]]:
-        if adapter:
-            engine.register_adapter(adapter, f"{demo_dir}/adapters/{adapter}")
-        request = engine.add_request(PROMPT, adapter, SamplingParams(max_tokens=12, temperature=0))
-        text = ""
-        while engine.has_work():
-            text += "".join(o.text for o in engine.step() if o.request_id == request.request_id)
-        out[adapter or "base"] = text
-    engine.shutdown()
-    return out
+    return expected_texts(demo_dir, demo_adapters(demo_dir))
 
 
 @pytest.fixture(scope="module")

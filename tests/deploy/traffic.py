@@ -4,6 +4,7 @@ text the adapter gives alone (the engine without Ray)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -29,7 +30,14 @@ def demo_adapters(demo_dir) -> dict[str, str]:
 
 
 def expected_texts(demo_dir, adapters: dict[str, str], max_tokens: int = MAX_TOKENS) -> dict[str, str]:
-    """Greedy text of every adapter and the base model, from the engine alone."""
+    """Greedy text of every adapter and the base model, from the engine alone. Greedy decoding is deterministic, so
+    each set of adapters is decoded once per session, however many modules ask for it."""
+    return dict(_engine_texts(str(demo_dir), tuple(adapters.items()), max_tokens))
+
+
+@functools.cache
+def _engine_texts(demo_dir: str, adapters: tuple[tuple[str, str], ...], max_tokens: int) -> dict[str, str]:
+    adapters = dict(adapters)
     roots = tuple(sorted({str(Path(p).parent) for p in adapters.values()}))
     engine = LLMEngine(EngineConfig(base_model=f"{demo_dir}/base", adapter_roots=roots, device="cpu",
                                     dtype="float32", num_slots=8, host_cache_bytes=TEST_HOST_CACHE_BYTES))

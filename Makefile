@@ -34,7 +34,10 @@ demo-smollm2: install
 
 # Two pytest runs at once: the tests that start Ray clusters, and the rest beside them at the lowest CPU priority
 # (tests/lanes.py). `$(BIN)/python -m pytest` runs the same tests in one process.
+# The project's own modules are compiled first: about a hundred processes (Ray workers, replicas) import them, and
+# where PYTHONDONTWRITEBYTECODE is set each would compile them again.
 test: install
+	$(BIN)/python -m compileall -q -j 0 app deploy prefetch routing bench tests >/dev/null
 	$(BIN)/python tests/lanes.py -q -rs --durations=15
 
 test-gpu: install

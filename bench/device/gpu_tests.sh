@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests (pytest -m gpu; they skip without CUDA): the Triton attention and LoRA kernels against their
 # references, also replayed in CUDA graphs; varlen prefill; graph replay, compiled or not, against eager and PEFT;
-# bf16 fidelity and churn; copy/compute overlap. About 4-5 minutes on one H100.
+# bf16 fidelity and churn; copy/compute overlap; overlapped steps; FP8; sharded engines at 2 and 4 GPUs where the
+# host has them. About 4-6 minutes on one H100 or four H200s.
 #   LORA_GIT_COMMIT=$(git rev-parse --short HEAD) bash bench/device/gpu_tests.sh     # carry .whl
 # WHEELS (.whl: the tests import pydantic and FastAPI), TESTS (tests/app tests/prefetch), TEST_S (540 s).
 # Log: bench/results/<slug>-gpu-tests.log (its first line: the commit and the command), copied to $OUT.
@@ -10,5 +11,7 @@ source bench/device/setup.sh
 log=bench/results/$SLUG-gpu-tests.log
 tests=${TESTS:-tests/app tests/prefetch}
 echo "# commit ${LORA_GIT_COMMIT:-unknown}: python3 -m pytest -q -rs -m gpu $tests" > "$log"
-timeout "${TEST_S:-540}" python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider 2>&1 | tail -30 | tee -a "$log"
+# The log keeps pytest's whole report (every failure's text); the call shows its end.
+timeout "${TEST_S:-540}" python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider >> "$log" 2>&1
+tail -30 "$log"
 bring_back gpu_tests "$log"

@@ -15,7 +15,8 @@ tests=${TESTS:-tests/app/engine/test_tensor_parallel_gpu.py tests/app/engine/tes
 parts=${PARTS:-tests decode throughput}
 if [[ $parts == *tests* ]]; then
   echo "# commit ${LORA_GIT_COMMIT:-unknown}: python3 -m pytest -q -rs -m gpu $tests" > "$log"
-  timeout ${TEST_S:-300} python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider 2>&1 | tail -40 | tee -a "$log"
+  timeout ${TEST_S:-300} python3 -m pytest -q -rs -m gpu $tests -p no:cacheprovider >> "$log" 2>&1
+  tail -40 "$log"
   cp "$log" "$OUT/"  # back even if a later part outlasts the call
 fi
 if [[ $parts == *decode* ]]; then

@@ -131,8 +131,7 @@ def _check_tensor_parallel(config: EngineConfig, model_config: PretrainedConfig,
 
 
 def _begin_everywhere(pool: SlotPool, registry: AdapterRegistry, workers: Workers, slot: int, adapter_id: str) -> None:
-    spec = registry.get(adapter_id)
-    workers.load(slot, pool.slots[slot].pages, spec, spec.rank)
+    workers.load(slot, pool.slots[slot].pages, registry.get(adapter_id))
 
 
 def _read_shard(registry: AdapterRegistry, plan, adapter_id: str):

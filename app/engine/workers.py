@@ -58,12 +58,11 @@ class WorkerLost(RuntimeError):
 
 @dataclass(frozen=True)
 class Load:
-    """An adapter rank 0 wrote into `slot`, `pages` of its pool: the workers write their shards of it there."""
+    """An adapter rank 0 began to load into `slot`, `pages` of its pool: the workers write their shards of it there."""
 
     slot: int
     pages: tuple[int, ...]
     spec: AdapterSpec
-    rank: int
 
 
 @dataclass(frozen=True)
@@ -160,13 +159,13 @@ class Workers:
     def send_sizes(self, sizes: Sizes) -> None:
         dist.broadcast_object_list([sizes], src=0, group=self.control)
 
-    def load(self, slot: int, pages, spec: AdapterSpec, rank: int) -> None:
+    def load(self, slot: int, pages, spec: AdapterSpec) -> None:
         """A load into `slot` began on rank 0 (the engine thread): sent with the next step, so that every worker
         reads its shard while rank 0 reads its own."""
         spec = dataclasses.replace(spec, **{name: dict(getattr(spec, name)) for name in  # read-only views: unpicklable
                                             ("module_ranks", "module_scales", "module_shapes")})
         with self._lock:
-            self._loads.append(Load(slot, tuple(pages), spec, rank))
+            self._loads.append(Load(slot, tuple(pages), spec))
 
     def run(self, inputs: StepInputs, logits_all: bool, extra_rows) -> None:
         for process in self.processes:
@@ -272,7 +271,7 @@ class ShardLoads:
             except Exception as e:  # rank 0 fails its own load the same way and admits nothing onto the slot
                 self.failed[slot] = e
                 continue
-            self.lora.write_slot(slot, list(load.pages), pages, scales.to(self.device), load.rank)
+            self.lora.write_slot(slot, list(load.pages), pages, scales.to(self.device), load.spec.rank)
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()

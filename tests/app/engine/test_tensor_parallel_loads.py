@@ -55,7 +55,7 @@ class Loads(ShardLoads):
         if done:
             self.gates[adapter_id].set()
         self.adapter_in = {**getattr(self, "adapter_in", {}), slot: adapter_id}
-        self.begin(Load(slot, pages, SimpleNamespace(adapter_id=adapter_id), rank=4))
+        self.begin(Load(slot, pages, SimpleNamespace(adapter_id=adapter_id, rank=4)))
 
 
 def test_a_load_waits_for_its_read_only_when_a_step_needs_its_slot_and_a_newer_load_voids_an_unwritten_one():

@@ -222,7 +222,7 @@ class LLMEngine:
         if not sampled and not echo.rows:
             return None
         rows = launch_sampling(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo, logits[len(sampled):])
-        if sampled and self.runner.workers is not None:
+        if sampled and self.overlap and self.runner.workers is not None:  # the workers' pending inputs
             self.runner.workers.share_tokens(rows.tokens)
         for row, request in enumerate(sampled):
             request.pending += 1

@@ -7,9 +7,8 @@ each forward, `Workers.run` broadcasts a `Step` over a gloo group: the step's in
 how the forward runs, and the adapter loads rank 0 began since the last step (slot, pages, the adapter's spec). Each
 worker starts reading its shard of those adapters from their files on a thread (`ShardLoads`), writes each into the
 same slot and pages of its own pool once read and at the latest before a step that uses the slot, and runs the
-same forward; the all-reduces inside it make every rank's hidden states the whole ones. After a step that samples,
-rank 0 broadcasts the sampled tokens on the device, so that with overlapped steps a worker, too, takes the next
-step's pending inputs from them. Warm-up steps and CUDA graph captures run in the same order on every rank (each
+same forward; the all-reduces inside it make every rank's hidden states the whole ones. With overlapped steps, rank
+0 broadcasts each sampling step's tokens on the device, and a worker takes the next step's pending inputs from them. Warm-up steps and CUDA graph captures run in the same order on every rank (each
 rank's ModelRunner makes them at start-up), so their collectives pair up.
 
 Adapters reach the workers from their files, so an engine with workers takes local adapter roots only.
@@ -316,7 +315,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                 loads.begin(load)
             loads.write({slot for slot in step.inputs.token_slots if slot >= 0})
             runner.run(step.inputs, step.logits_all, step.extra_rows, previous)
-            if not step.logits_all and step.inputs.logits_index:  # rank 0 sampled: Workers.share_tokens
+            if config.overlap_steps and not step.logits_all and step.inputs.logits_index:  # Workers.share_tokens
                 previous = torch.empty(len(step.inputs.logits_index), dtype=torch.long, device=device)
                 dist.broadcast(previous, src=0)
     finally:

@@ -81,6 +81,9 @@ def test_a_request_with_penalties_runs_its_steps_one_at_a_time(make_engine, mani
     engine = make_engine(num_slots=4, overlap_steps=True)
     assert_same(serve(engine, work), alone)
     assert engine.overlapped_steps < engine.steps
+    lone = make_engine(num_slots=4, overlap_steps=True)
+    assert_same(serve(lone, work[2:3]), alone[2:3])
+    assert lone.steps > 1 and lone.overlapped_steps == 0  # alone, it never overlaps a step
 
 
 def test_preemption_and_abort_under_overlapped_steps(make_engine, manifest, adapter_names):

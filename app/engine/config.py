@@ -79,7 +79,7 @@ class EngineConfig:
         "between decode steps. Default: max_graph_tokens - max_batch_size, so that steps that prefill replay a "
         "CUDA graph; 2048 where that leaves under 64.")
     overlap_steps: bool = Field(
-        default=False, description="Launch each engine step before the previous one's tokens are read back, so the "
+        default=True, description="Launch each engine step before the previous one's tokens are read back, so the "
         "host plans and launches the next step while the GPU runs this one. Steps run one at a time while a running "
         "request uses penalties or a response_format (its sampling reads its own output).")
     prefetch: bool = Field(default=True, description="Asynchronous prefetch (false: load on demand, synchronously).")

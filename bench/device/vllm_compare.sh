@@ -20,7 +20,10 @@
 # bounds the call: no run starts with less than OURS_MIN_S (60) or VLLM_MIN_S (120) left, and ours' timed run ends
 # by the limit (flagged partial).
 # Also: SIZE (llama3-8b-shape, a demo size of app/demo/build.py), REQUESTS (256), ENGINE_ARGS (ours' EngineConfig
-# fields, FIELD=VALUE each), VLLM_ARGS (further LLM(...) keywords, KEY=VALUE each), NOTE (kept in the results).
+# fields, FIELD=VALUE each), VARIANTS (ours once per '|'-separated set of further fields, each result named after
+# its set: VARIANTS="|overlap_steps=false" runs the defaults, then -overlap-steps-false; the summary counts the
+# last), VLLM_ADAPTERS (the adapter counts vLLM runs too; ADAPTERS), VLLM_ARGS (further LLM(...) keywords, KEY=VALUE
+# each), NOTE (kept in the results).
 # Results: bench/results/<slug>-throughput-{ours,vllm}-c<concurrency>-a<adapters>.json and this call's table,
 # <slug>-throughput-vs-vllm.json, copied to $OUT (one tgz past 8 files) with vllm_compare.log (all output). Once
 # both calls' results are in bench/results here, `python -m bench.peers.compare <those files> --out-dir <dir>` makes
@@ -51,11 +54,17 @@ timed() {  # timed NAME MIN_S COMMAND...: COMMAND within what is left of COMPARE
 
 for c in ${CONCURRENCY:-32 128}; do
   for a in ${ADAPTERS:-0 32}; do
-    ours=(--engine ours --adapters "$a" --max-batch-size "$c" --out "bench/results/$SLUG-throughput-ours-c$c-a$a.json")
-    for field in ${ENGINE_ARGS:-}; do ours+=(--engine-arg "$field"); done
-    stop_by=$(( $(date +%s) + deadline - SECONDS - 10 ))  # ours' timed run ends before the call's limit
-    timed "ours c$c a$a" "${OURS_MIN_S:-60}" python3 -m bench.engine.throughput "${common[@]}" "${ours[@]}" \
-      --stop-by "$stop_by"
+    IFS='|' read -r -a variants <<< "${VARIANTS:-}"
+    for variant in "${variants[@]:-}"; do
+      tag=${variant:+-${variant//[^a-z0-9]/-}}
+      ours=(--engine ours --adapters "$a" --max-batch-size "$c"
+            --out "bench/results/$SLUG-throughput-ours-c$c-a$a$tag.json")
+      for field in ${ENGINE_ARGS:-} $variant; do ours+=(--engine-arg "$field"); done
+      stop_by=$(( $(date +%s) + deadline - SECONDS - 10 ))  # ours' timed run ends before the call's limit
+      timed "ours c$c a$a ${variant:-}" "${OURS_MIN_S:-60}" python3 -m bench.engine.throughput "${common[@]}" \
+        "${ours[@]}" --stop-by "$stop_by"
+    done
+    [[ " ${VLLM_ADAPTERS-${ADAPTERS:-0 32}} " == *" $a "* ]] || continue
     vllm=(--adapters "$a" --max-batch-size "$c" --gpu-memory-utilization 0.85 --name "throughput-vllm-c$c-a$a")
     for item in ${VLLM_ARGS:-}; do vllm+=(--engine-arg "$item"); done
     timed "vllm c$c a$a" "${VLLM_MIN_S:-120}" python3 -m bench.peers.vllm "${common[@]}" "${vllm[@]}"

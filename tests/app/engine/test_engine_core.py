@@ -25,11 +25,12 @@ def test_batched_prefill_runs_several_requests_in_one_step(make_engine, manifest
     engine = make_engine(num_slots=8)
     work = jobs(manifest, adapter_names, 6)
     generate(engine, work, max_tokens=1)  # make the adapters resident first
-    for prompt, adapter in work:
-        engine.add_request(prompt, adapter, greedy(4))
+    requests = [engine.add_request(prompt, adapter, greedy(4)) for prompt, adapter in work]
     outputs = engine.step()
     assert len({a for _, a in work}) == 6
-    assert len(outputs) == 6 and len(engine.running) == 6, "the six prefills did not share one step"
+    assert len(engine.running) == 6, "the six prefills did not share one step"
+    outputs += engine.step()  # with overlapped steps, the first tokens stream at the next step
+    assert {o.request_id for o in outputs} == {r.request_id for r in requests}
 
 
 def test_kv_exhaustion_preempts_and_outputs_stay_exact(make_engine, manifest, adapter_names):

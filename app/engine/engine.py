@@ -30,7 +30,7 @@ from app.engine.step_timing import StepTiming
 from app.errors import AdapterInUse, AdapterLoadFailed
 from app.sampling.logprobs import EchoRows
 from app.sampling.params import SamplingParams
-from app.sampling.sampler import SampledRows, launch_sampling, seed_for
+from app.sampling.sampler import ReadbackBuffers, SampledRows, launch_sampling, seed_for
 from prefetch.hints import HintBook
 from prefetch.metrics import Histogram
 from routing.wire import Hint, HintKind, ReplicaStats
@@ -91,6 +91,7 @@ class LLMEngine:
         # and launches the next step while the GPU runs it.
         self.overlap = config.overlap_steps
         self._in_flight: InFlight | None = None
+        self.readback = ReadbackBuffers(config.max_batch_size) if self.device.type == "cuda" else None
 
     @property
     def waiting(self) -> list[Request]:
@@ -221,7 +222,8 @@ class LLMEngine:
         sampled = [c.request for c in plan.chunks if c.samples]
         if not sampled and not echo.rows:
             return None
-        rows = launch_sampling(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo, logits[len(sampled):])
+        rows = launch_sampling(logits[:len(sampled)], sampled, sorted(self.eos_ids), echo, logits[len(sampled):],
+                               self.readback)
         if sampled and self.overlap and self.runner.workers is not None:  # the workers' pending inputs
             self.runner.workers.share_tokens(rows.tokens)
         for row, request in enumerate(sampled):
@@ -379,7 +381,8 @@ class LLMEngine:
         for request in self.running:
             assert request.finish_reason is None, f"finished {request.request_id} still running"
             if request.adapter_id is not None:
-                assert request.slot is not None and self.residency.pool.slots[request.slot].adapter_id == request.adapter_id
+                assert request.slot is not None, f"{request.request_id} runs without its adapter's slot"
+                assert self.residency.pool.slots[request.slot].adapter_id == request.adapter_id
                 pins[request.slot] += 1
         assert pins == [s.pins for s in self.residency.pool.slots], f"pins {pins} != pool"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"

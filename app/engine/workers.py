@@ -8,8 +8,9 @@ how the forward runs, and the adapter loads rank 0 began since the last step (sl
 worker starts reading its shard of those adapters from their files on a thread (`ShardLoads`), writes each into the
 same slot and pages of its own pool once read and at the latest before a step that uses the slot, and runs the
 same forward; the all-reduces inside it make every rank's hidden states the whole ones. With overlapped steps, rank
-0 broadcasts each sampling step's tokens on the device, and a worker takes the next step's pending inputs from them. Warm-up steps and CUDA graph captures run in the same order on every rank (each
-rank's ModelRunner makes them at start-up), so their collectives pair up.
+0 broadcasts each sampling step's tokens on the device, and a worker takes the next step's pending inputs from them.
+Warm-up steps and CUDA graph captures run in the same order on every rank (each rank's ModelRunner makes them at
+start-up), so their collectives pair up.
 
 Adapters reach the workers from their files, so an engine with workers takes local adapter roots only.
 """
@@ -232,7 +233,11 @@ class ShardLoads:
     a thread from the step that brings it, as rank 0's own read does; its copy into the slot goes on the step
     stream at a step boundary once the read is done, and at the latest before the first step that uses the slot.
     Steps launched earlier that read the slot's previous adapter come first in stream order. A later load into
-    the same slot or pages replaces one not yet written."""
+    the same slot or pages replaces one not yet written.
+
+    The host pages are pageable, not pinned: pinning memory makes the CUDA driver wait for the device's work and
+    its peers', and rank 0 runs ahead of a worker, so that work may include a collective waiting for this worker's
+    next launch, which the wait blocks. Copied from pageable memory, a page returns once staged for its copy."""
 
     def __init__(self, plan: ShardPlan, layout: PageLayout, lora: LoRASlots, device: torch.device,
                  dtype: torch.dtype):
@@ -240,7 +245,6 @@ class ShardLoads:
         self.reads = ThreadPoolExecutor(2, thread_name_prefix="shard-read")
         self.pending: dict[int, tuple[Load, Future]] = {}  # slot -> its newest load not yet written
         self.failed: dict[int, Exception] = {}  # slot -> why its newest load could not be read
-        self._copying: list[tuple[object, list[torch.Tensor]]] = []  # (event, host pages) until the copy is done
 
     def begin(self, load: Load) -> None:
         """A load rank 0 began. Rank 0 gave its slot and pages to it only after nothing used them: a load not yet
@@ -253,14 +257,12 @@ class ShardLoads:
         self.pending[load.slot] = (load, self.reads.submit(self._read, load))
 
     def _read(self, load: Load) -> tuple[list[torch.Tensor], torch.Tensor]:
-        pages = [torch.empty(self.layout.page_numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-                 for _ in load.pages]
+        pages = [torch.empty(self.layout.page_numel, dtype=self.dtype) for _ in load.pages]
         scales = self.layout.pack(shard_parts(self.plan, read_adapter(load.spec).flat_parts()), pages)
         return pages, scales
 
     def write(self, needed: set[int]) -> None:
         """Write every load whose read is done, waiting for those of the `needed` slots (the next step's)."""
-        self._copying = [(event, pages) for event, pages in self._copying if not event.query()]
         for slot, (load, future) in list(self.pending.items()):
             if slot not in needed and not future.done():
                 continue
@@ -271,10 +273,6 @@ class ShardLoads:
                 self.failed[slot] = e
                 continue
             self.lora.write_slot(slot, list(load.pages), pages, scales.to(self.device), load.spec.rank)
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-                self._copying.append((event, pages))
         for slot in needed & self.failed.keys():
             raise RuntimeError(f"slot {slot}: this worker could not read its shard of the adapter rank 0 loaded "
                                f"there: {self.failed[slot]}")

@@ -20,7 +20,7 @@ import torch
 
 from app.sampling.logprobs import EchoRows, TokenLogprob, pack, unpack
 from app.sampling.penalties import apply_penalties
-from app.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from app.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
 from app.sampling.structured import apply_grammars
 
 
@@ -150,13 +150,35 @@ class SampledRows:
         return list(zip(chosen, sampled)), prompt
 
 
+class ReadbackBuffers:
+    """Pinned host memory for launch_sampling's copies, allocated once, before serving: two buffers used in turn,
+    as at most two steps' copies are alive (the step launched, and the one before it until it is read).
+
+    Pinning memory while serving would stall the engine: the CUDA driver waits for the work of the device and of
+    its peers to finish. With tensor parallelism that work includes a collective waiting for this process's next
+    launch, so the wait never ends."""
+
+    def __init__(self, max_rows: int):
+        numel = max_rows * (2 + 2 * MAX_LOGPROBS)  # a token and packed logprobs (pack) per row, at most
+        self.buffers = [torch.empty(numel, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        self.turn = 0
+
+    def take(self, numel: int) -> torch.Tensor | None:
+        """The next buffer's first `numel` values; None where they do not fit (echo's prompt rows, for one)."""
+        if numel > self.buffers[0].numel():
+            return None
+        buffer, self.turn = self.buffers[self.turn], self.turn ^ 1
+        return buffer[:numel]
+
+
 def launch_sampling(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[int], echo: EchoRows | None = None,
-                    echo_logits: torch.Tensor | None = None) -> SampledRows:
+                    echo_logits: torch.Tensor | None = None, buffers: ReadbackBuffers | None = None) -> SampledRows:
     """Every request's next token, chosen on the device without waiting for it.
 
     logits [len(requests), V] are the raw logits; penalties (app/sampling/penalties.py), then each constrained
     row's grammar mask (app/sampling/structured.py) apply before the choice; logprobs read the raw values.
-    Everything the host needs comes back in one device-to-host copy, into pinned memory on CUDA.
+    Everything the host needs comes back in one device-to-host copy: on CUDA into one of `buffers`, without
+    waiting; where none is given or the values do not fit, into pageable memory, waiting for it.
     """
     params = [r.params for r in requests]
     chosen_from = apply_grammars(apply_penalties(logits, requests, eos_ids), requests)
@@ -175,9 +197,9 @@ def launch_sampling(logits: torch.Tensor, requests: Sequence, eos_ids: Sequence[
         targets = torch.tensor(echo.targets, dtype=torch.long).to(logits.device, non_blocking=True)
         parts.append(pack(echo_logits, targets, echo.k).flatten())
     values = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if values.device.type != "cuda":
-        return SampledRows(tokens, values, None, ks, k, echo)
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host = buffers.take(values.numel()) if buffers is not None and values.device.type == "cuda" else None
+    if host is None:
+        return SampledRows(tokens, values.cpu(), None, ks, k, echo)
     host.copy_(values, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()

@@ -26,5 +26,5 @@ def test_the_engine_settings_are_the_args_with_the_same_defaults():
     assert set(ENGINE_FIELDS) <= set(AppArgs.model_fields)
     for name in ENGINE_FIELDS:
         if name not in ("base_model", "adapter_roots"):
-            assert getattr(args, name) == getattr(engine, name) or name == "max_prefill_tokens_per_step", name
+            assert getattr(args, name) == getattr(engine, name) or name in ("max_prefill_tokens_per_step", "overlap_steps"), name
     assert args.engine_config() == engine

@@ -15,14 +15,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from app.adapters.node_cache import NodeCache, default_directory
 from app.adapters.registry import AdapterRegistry
 from app.adapters.uris import is_remote
 from app.adapters.targets import pool_shapes, target_shapes
 from app.engine.config import EngineConfig
 from app.engine.kv_blocks import BlockManager
 from app.engine.model_runner import ModelRunner
-from app.engine.workers import Sizes, Workers, check_tensor_parallel_config, shard_parts
+from app.engine.workers import Sizes, Workers, adapter_registry, check_tensor_parallel_config, shard_parts
 from app.model.architectures import UnsupportedModel, check_supported
 from app.model.attention import PagedKVCache, kv_cache_blocks
 from app.model.fp8 import check_fp8_device, quantize_linears
@@ -85,11 +84,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         torch.cuda.empty_cache()  # dense weights replaced by FP8 ones: for the adapter pool and KV cache sized below
     max_model_len = model.config.max_position_embeddings
     remote = any(is_remote(root) for root in config.adapter_roots)
-    cache = NodeCache(config.adapter_cache_dir or default_directory(), config.adapter_cache_bytes) if remote else None
-    registry = AdapterRegistry(  # adapters are checked against the whole model's shapes, not a shard's
-        config.adapter_roots, model_config, config.max_rank, config.max_adapter_bytes, config.target_modules,
-        cache=cache, fetch_workers=config.adapter_fetch_workers, fetch_timeout_s=config.adapter_fetch_timeout_s,
-    )
+    registry = adapter_registry(config, model_config)
     layout = PageLayout(pool_shapes(target_shapes(model.config), config.target_modules), config.max_rank,
                         config.adapter_page_rows)
     num_pages, num_slots = pool_size(config, layout, dtype, device)

@@ -12,7 +12,9 @@ same forward; the all-reduces inside it make every rank's hidden states the whol
 Warm-up steps and CUDA graph captures run in the same order on every rank (each rank's ModelRunner makes them at
 start-up), so their collectives pair up.
 
-Adapters reach the workers from their files, so an engine with workers takes local adapter roots only.
+Each worker reads adapters through a registry of its own over the same roots and node cache as rank 0's: a local
+adapter from its folder, a remote one from the node's disk cache, which the node's processes share, so that rank 0's
+download serves every rank (a worker fetches it again only if the cache evicted it meanwhile).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,7 +36,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from app.adapters.spec import AdapterSpec, read_adapter
+from app.adapters.node_cache import NodeCache, default_directory
+from app.adapters.registry import AdapterRegistry
+from app.adapters.spec import AdapterSpec, StoredAdapter, read_adapter
 from app.engine.config import EngineConfig
 from app.engine.kv_blocks import BlockManager
 from app.engine.model_runner import ModelRunner
@@ -95,10 +100,16 @@ def check_tensor_parallel_config(config: EngineConfig, model_config, fp8_checkpo
     if fp8_checkpoint or config.quantization is not None:
         raise UnsupportedModel(f"tensor_parallel_size {size} with FP8 weights is not served; use "
                                "tensor_parallel_size 1 for an FP8 base")
-    remote = [root for root in config.adapter_roots if is_remote(root)]
-    if remote:
-        raise UnsupportedModel(f"tensor_parallel_size {size} serves adapters from local folders only (each worker "
-                               f"reads its shard from the files); remote roots: {remote}")
+
+
+def adapter_registry(config: EngineConfig, model_config) -> AdapterRegistry:
+    """The registry an engine's process reads adapters through: rank 0's, which also validates registrations, and
+    each worker's, for its shard reads. Adapters are checked against the whole model's shapes, not a shard's."""
+    remote = any(is_remote(root) for root in config.adapter_roots)
+    cache = NodeCache(config.adapter_cache_dir or default_directory(), config.adapter_cache_bytes) if remote else None
+    return AdapterRegistry(config.adapter_roots, model_config, config.max_rank, config.max_adapter_bytes,
+                           config.target_modules, cache=cache, fetch_workers=config.adapter_fetch_workers,
+                           fetch_timeout_s=config.adapter_fetch_timeout_s)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -240,8 +251,9 @@ class ShardLoads:
     next launch, which the wait blocks. Copied from pageable memory, a page returns once staged for its copy."""
 
     def __init__(self, plan: ShardPlan, layout: PageLayout, lora: LoRASlots, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, read: Callable[[AdapterSpec], StoredAdapter] = read_adapter):
         self.plan, self.layout, self.lora, self.device, self.dtype = plan, layout, lora, device, dtype
+        self.read = read  # the worker's registry's: a remote adapter through the node cache
         self.reads = ThreadPoolExecutor(2, thread_name_prefix="shard-read")
         self.pending: dict[int, tuple[Load, Future]] = {}  # slot -> its newest load not yet written
         self.failed: dict[int, Exception] = {}  # slot -> why its newest load could not be read
@@ -258,7 +270,7 @@ class ShardLoads:
 
     def _read(self, load: Load) -> tuple[list[torch.Tensor], torch.Tensor]:
         pages = [torch.empty(self.layout.page_numel, dtype=self.dtype) for _ in load.pages]
-        scales = self.layout.pack(shard_parts(self.plan, read_adapter(load.spec).flat_parts()), pages)
+        scales = self.layout.pack(shard_parts(self.plan, self.read(load.spec).flat_parts()), pages)
         return pages, scales
 
     def write(self, needed: set[int]) -> None:
@@ -288,9 +300,11 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                             timeout=COLLECTIVE_TIMEOUT)
     control = _control_group(device)
     stopped = False  # by rank 0, which ends its groups with this worker's
+    registry = None
     try:
         dtype = config.torch_dtype(device)
         model_config = AutoConfig.from_pretrained(config.base_model)
+        registry = adapter_registry(config, model_config)
         model, plan = load_shard(Path(config.base_model), model_config, check_supported(model_config),
                                  TensorParallel(rank, size), dtype, device)
         sizes = _receive(control)
@@ -302,7 +316,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                              config.max_batch_size, model.config.max_position_embeddings,
                              use_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
                              max_graph_tokens=config.max_graph_tokens)
-        loads = ShardLoads(plan, layout, lora, device, dtype)
+        loads = ShardLoads(plan, layout, lora, device, dtype, registry.read)
         previous = None  # the last step's sampled tokens, as rank 0 shares them
         while True:
             step = _receive(control)
@@ -317,6 +331,8 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
                 previous = torch.empty(len(step.inputs.logits_index), dtype=torch.long, device=device)
                 dist.broadcast(previous, src=0)
     finally:
+        if registry is not None:
+            registry.shutdown()
         _end_group(stopped)
 
 

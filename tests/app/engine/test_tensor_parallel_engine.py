@@ -76,8 +76,6 @@ def test_two_workers_give_peft_s_prompt_logits_within_1e_4(served):
 
 @pytest.mark.parametrize("overrides, named", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the 4 attention heads"),
-    (dict(tensor_parallel_size=2, adapter_roots=("s3://bucket/adapters",)),
-     "tensor_parallel_size 2 serves adapters from local folders only"),
 ])
 def test_a_size_or_setting_it_cannot_serve_is_refused_before_any_worker_starts(demo_dir, overrides, named):
     with pytest.raises(UnsupportedModel, match=named):

@@ -1,35 +1,59 @@
 """Adapter loads on a tensor-parallel engine (two gloo workers on CPU): each worker reads its shard on a thread from
 the step that brings the load, as rank 0 reads its own, and writes it into the slot before the first step that uses
-it. (A module of its own: a process holds one tensor-parallel engine, and test_tensor_parallel_engine.py keeps one
-for the whole module.)"""
+it; a remote adapter reaches the workers through the node cache. (A module of its own: a process holds one
+tensor-parallel engine, and test_tensor_parallel_engine.py keeps one for the whole module.)"""
 
+import shutil
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import store_helpers
+from app.adapters.safetensors_file import WEIGHTS_NAME
 from app.engine.workers import Load, ShardLoads
 from engine_helpers import greedy, jobs, run_all
 
 MAX_NEW = 12
+file_server = store_helpers.file_server  # the fixture, under its name
+
+
+def serve(engine, work) -> list[list[int]]:
+    requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in work]
+    tokens = run_all(engine, check=True)
+    return [tokens[r.request_id] for r in requests]
 
 
 def test_adapters_churning_through_two_slots_serve_the_tokens_of_one_process(make_engine, manifest, adapter_names):
     """More adapters than slots: each worker starts reading its shard when rank 0 begins a load, a later load
     replaces an unwritten one in the same slot, and a slot is written before the first step that uses it."""
     work = jobs(manifest, adapter_names, 12)
-
-    def serve(engine):
-        requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in work]
-        tokens = run_all(engine, check=True)
-        return [tokens[r.request_id] for r in requests]
-
-    alone = serve(make_engine(num_slots=2))
+    alone = serve(make_engine(num_slots=2), work)
     sharded = make_engine(num_slots=2, tensor_parallel_size=2, overlap_steps=True)
-    assert serve(sharded) == alone
+    assert serve(sharded, work) == alone
     assert sharded.metrics()["evictions"] >= len({a for _, a in work if a is not None}) - 2  # all came through
+
+
+def test_adapters_from_a_remote_store_reach_the_workers_through_the_node_cache(make_engine, file_server, tmp_path,
+                                                                              demo_dir, manifest, adapter_names):
+    """Each worker reads its shard of a remote adapter from the node cache that rank 0's download filled: the
+    tokens are those of local adapters, and each adapter's weights leave the store once."""
+    shutil.copytree(Path(demo_dir) / "adapters", tmp_path / "www" / "adapters")
+    root = f"{file_server.url}/adapters"
+    work = jobs(manifest, adapter_names, 6)
+    names = sorted({a for _, a in work if a is not None})
+    alone = serve(make_engine(), work)
+    sharded = make_engine(register=False, tensor_parallel_size=2, adapter_roots=(root,),
+                          adapter_cache_dir=str(tmp_path / "cache"))
+    for name in names:
+        sharded.register_adapter(name, f"{root}/{name}")
+    registered = {name: file_server.gets[f"/adapters/{name}/{WEIGHTS_NAME}"] for name in names}
+    assert serve(sharded, work) == alone
+    assert {name: file_server.gets[f"/adapters/{name}/{WEIGHTS_NAME}"] - registered[name] for name in names} == \
+        {name: 1 for name in names}
 
 
 class Loads(ShardLoads):

@@ -6,10 +6,17 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.demo.build import ensure_demo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# One torch CPU thread, here and in the processes the tests start (engine processes, tensor-parallel workers): the
+# suite runs many processes at once on a few cores, where a second thread on these tiny models costs more CPU than
+# it saves. (Ray gives its workers one thread per CPU they hold.)
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

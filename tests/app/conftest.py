@@ -58,9 +58,6 @@ def churn_root(tmp_path_factory, demo_dir, manifest):
     return root, names[:24]
 
 
-torch.set_num_threads(2)
-
-
 @pytest.fixture(scope="session")
 def graph_model(tmp_path_factory, demo_dir):
     """A random model whose head_dim (64) the Triton decode kernel takes, with three random adapters of

@@ -57,8 +57,8 @@ class Cluster:
         if wait_replicas:
             self.wait_for_replicas(replicas)
 
-    def replicas(self) -> dict:
-        response = HTTP.get(f"{self.url}/v1/debug/replicas", timeout=10)
+    def replicas(self, headers: dict | None = None) -> dict:
+        response = HTTP.get(f"{self.url}/v1/debug/replicas", headers=headers, timeout=10)
         return response.json()["replicas"] if response.status_code == 200 else {}
 
     def wait_for_replicas(self, count: int, timeout_s: float = 120) -> dict:

@@ -1,4 +1,6 @@
-"""Hardening over HTTP: bad input, fuzzing, client disconnects and auth, on a local 2-replica cluster.
+"""Hardening over HTTP: bad input, fuzzing, client disconnects and auth, on a local cluster with one replica.
+The auth tests run last, on the app redeployed with an API key, adapter registration off and the engine in its own
+process (the redeploy that test_engine_in_its_own_process_serves_the_same_text checks).
 
 Status choices, where OpenAI leaves room:
 - A body that is not a JSON object (bad JSON, bad UTF-8, another content type) is 400; a JSON object
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 from app.api.schemas import MAX_TOKENS_LIMIT
 from bad_inputs import BAD_INPUT, CONTROL, completion
 from deploy.args import AppArgs
+from traffic import demo_adapters, expected_texts
 from web import HTTP
 
 PROMPT = "Tell me a story."
@@ -262,20 +265,23 @@ def test_api_key_falls_back_to_the_environment(monkeypatch):
 
 @pytest.fixture(scope="module")
 def locked(cluster):
-    """The app redeployed with an API key and adapter registration off (runs last: it changes the cluster)."""
-    cluster.deploy(replicas=CLUSTER_REPLICAS, wait_replicas=False, api_key=KEY, allow_adapter_registration=False)
+    """The app redeployed with an API key, adapter registration off and the engine in its own process (runs last:
+    it changes the cluster), once its new replicas have replaced the old ones."""
+    before = set(cluster.replicas())
+    cluster.deploy(replicas=CLUSTER_REPLICAS, wait_replicas=False, api_key=KEY, allow_adapter_registration=False,
+                   engine_process=True)
     headers = {"authorization": f"Bearer {KEY}"}
 
     def serving_locked() -> bool:
         try:
             if HTTP.get(f"{cluster.url}/v1/models", timeout=10).status_code != 401:
                 return False
-            view = HTTP.get(f"{cluster.url}/v1/debug/replicas", headers=headers, timeout=10)
-            return view.status_code == 200 and len(view.json()["replicas"]) == CLUSTER_REPLICAS
+            view = cluster.replicas(headers)
+            return len(view) == CLUSTER_REPLICAS and not set(view) & before
         except httpx.HTTPError:
             return False
 
-    wait_for(serving_locked, 120, poll_s=0.5)
+    wait_for(serving_locked, 180, poll_s=0.5)
     return headers
 
 
@@ -335,3 +341,17 @@ def test_adapter_registration_switched_off_is_403(cluster, locked, demo_dir):
     served = HTTP.post(f"{cluster.url}/v1/completions", headers=locked, timeout=60,
                         json={"model": "pirate", "prompt": PROMPT, "max_tokens": 4})
     assert served.status_code == 200, served.text
+
+
+def test_engine_in_its_own_process_serves_the_same_text(cluster, locked, demo_dir):
+    """engine_process=True (app/engine/process.py), reached by a rolling update: the text is the engine-alone text,
+    streamed or not, and the replicas report as before."""
+    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    for model, text in expected_texts(demo_dir, demo_adapters(demo_dir)).items():
+        assert oai.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text == text
+        streamed = "".join(c.choices[0].text for c in oai.completions.create(
+            model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+        assert streamed == text, model
+    reports = cluster.replicas(locked).values()
+    assert reports and all(r["invariants"] == "ok" for r in reports)
+    assert sum(r["step_timing"]["decode"]["steps"] for r in reports) > 0

@@ -357,26 +357,3 @@ def test_openai_surface_logprobs_echo_n_batch_prompts_and_refusals(cluster, oai,
     with pytest.raises(openai.BadRequestError, match="image_url"):
         oai.chat.completions.create(model="base", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}])
-
-
-def test_engine_in_its_own_process_serves_the_same_text(cluster, oai, expected):
-    """engine_process=True (app/engine/process.py): a rolling update onto replicas whose engine loop runs in
-    a child process; the text is the engine-alone text, streamed or not, and the replicas report as before."""
-    before = set(cluster.replicas())
-    cluster.deploy(replicas=1, wait_replicas=False, engine_process=True)  # one replica: nothing here is about two
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        view = cluster.replicas()
-        if len(view) == 1 and not set(view) & before:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"the engine-process replicas did not replace {sorted(before)}")
-    for model, text in expected.items():
-        assert oai.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text == text
-        streamed = "".join(c.choices[0].text for c in oai.completions.create(
-            model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
-        assert streamed == text, model
-    reports = cluster.replicas().values()
-    assert all(r["invariants"] == "ok" for r in reports)
-    assert sum(r["step_timing"]["decode"]["steps"] for r in reports) > 0

@@ -28,19 +28,24 @@ FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
-def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
-    """env: environment variables of the app's processes (the runtime started before the module set them)."""
+def application(demo_dir: Path, name: str = "lora", route_prefix: str = "/", replicas: int = 2,
+                env: dict | None = None, **args) -> dict:
+    """One application of a serve config. env: environment variables of its processes (the runtime started before
+    the module set them)."""
     base_args = {
         "base_model": str(demo_dir / "base"), "adapter_roots": [str(demo_dir / "adapters")], "build_demo": False,
         "device": "cpu", "num_slots": 6, "max_batch_size": 4, "max_input_tokens": 256, "max_total_tokens": 4096,
         "default_max_tokens": 16, "max_body_bytes": 65536, "max_pending_requests": 48, "spread_after_s": 0.2,
         "host_cache_bytes": TEST_HOST_CACHE_BYTES,
     }
-    return ServeDeploySchema.model_validate({"applications": [{
-        "name": "lora", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": {**base_args, **args},
-        **({"runtime_env": {"env_vars": env}} if env else {}),
-        "deployments": [{"name": "LoRAReplica", "num_replicas": replicas}, {"name": "Ingress", "num_replicas": 1}],
-    }]})
+    return {"name": name, "route_prefix": route_prefix, "import_path": "deploy.app:build_app",
+            "args": {**base_args, **args}, **({"runtime_env": {"env_vars": env}} if env else {}),
+            "deployments": [{"name": "LoRAReplica", "num_replicas": replicas}, {"name": "Ingress", "num_replicas": 1}]}
+
+
+def app_config(demo_dir: Path, replicas: int = 2, env: dict | None = None, **args) -> ServeDeploySchema:
+    return ServeDeploySchema.model_validate({"applications": [application(demo_dir, replicas=replicas, env=env,
+                                                                          **args)]})
 
 
 class Cluster:
@@ -49,6 +54,10 @@ class Cluster:
         [self.port] = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = serve_start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    def application(self, name: str, route_prefix: str, replicas: int = 2, **args) -> dict:
+        """One application of the demo, for a config of several (client.deploy_apps deletes the apps it omits)."""
+        return application(self.demo_dir, name, route_prefix, replicas, **args)
 
     def deploy(self, replicas: int = 2, wait_replicas: bool = True, blocking: bool = True, env: dict | None = None,
                **args) -> None:

@@ -72,8 +72,7 @@ class LLMEngine:
         self.prompt_index = PromptIndex(config.block_size)
         self.hints = HintBook(config.hint_ttl_s)  # what the router holds for this replica
         self.hint_lead = Histogram(SECONDS_BUCKETS)
-        # From a request's arrival here to its adapter's slot being ready for it, and the part of that before its
-        # adapter's load began (no slot for it yet; a read into the host cache may run meanwhile).
+        # From a request's arrival here to its adapter's slot being ready, and the part before that load began.
         self.adapter_wait = Histogram(SECONDS_BUCKETS)
         self.adapter_wait_before_load = Histogram(SECONDS_BUCKETS)
         # From a request's arrival here to its first token, and to its end: with the adapter wait, where a request's
@@ -87,10 +86,8 @@ class LLMEngine:
         self.invariants = report.InvariantReport()
         self._stalled_since: float | None = None  # when the engine last had nothing it could run
         self._ids = itertools.count()
-        # The step launched and not yet read back, where steps overlap (config.overlap_steps): the host prepares
-        # and launches the next step while the GPU runs it.
-        self.overlap = config.overlap_steps
-        self._in_flight: InFlight | None = None
+        self.overlap = config.overlap_steps  # the host prepares and launches a step while the GPU runs the last
+        self._in_flight: InFlight | None = None  # the step launched and not yet read back
         self.readback = ReadbackBuffers(config.max_batch_size) if self.device.type == "cuda" else None
 
     @property
@@ -377,14 +374,14 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.residency.check_invariants()
         self.scheduler.check_invariants()
-        pins = [0] * len(self.residency.pool)
+        slots = self.residency.pool.slots
+        pins = [0] * len(slots)
         for request in self.running:
             assert request.finish_reason is None, f"finished {request.request_id} still running"
             if request.adapter_id is not None:
-                assert request.slot is not None, f"{request.request_id} runs without its adapter's slot"
-                assert self.residency.pool.slots[request.slot].adapter_id == request.adapter_id
+                assert request.slot is not None and slots[request.slot].adapter_id == request.adapter_id, request
                 pins[request.slot] += 1
-        assert pins == [s.pins for s in self.residency.pool.slots], f"pins {pins} != pool"
+        assert pins == [s.pins for s in slots], f"pins {pins} != pool"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
 
     def routing_stats(self) -> ReplicaStats:

@@ -21,6 +21,7 @@ import torch
 from app.engine.step_inputs import StepInputs, as_decode_rows
 from app.model.attention import AttentionMetadata, AttentionState
 from app.model.kernels import attention as attention_kernels
+from app.model.kernels import lora as lora_kernels
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class CudaGraphs:
         pending inputs from `previous`, the sampled tokens of the step before."""
         pad = [0] * (batch - inputs.num_decode)
         s_cap = self._segment_cap(batch)
-        order, starts, slots = segments(inputs.token_slots, batch, s_cap)
+        order, starts, slots = segments(inputs.token_slots, batch, s_cap, self._segment_rows(batch))
         sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
         pending_at, pending_rows = [i for i, _ in inputs.pending], [row for _, row in inputs.pending]
         values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
@@ -142,7 +143,17 @@ class CudaGraphs:
             self.static_ids.index_copy_(0, at, previous.index_select(0, rows))
 
     def _segment_cap(self, batch: int) -> int:
-        return min(batch, self.max_batch_size)  # segments are distinct adapters: at most one per request
+        """One segment per request (each has one adapter), and one more per M tile where segments are capped."""
+        rows = self._segment_rows(batch)
+        return min(batch, self.max_batch_size + (-(-batch // rows) if rows else 0))
+
+    @staticmethod
+    def _segment_rows(batch: int) -> int | None:
+        """Rows per LoRA segment in this bucket: one M tile of the decode kernels, whose grids give each segment
+        one program, so that rows of one adapter spread over programs; the prefill config strides a segment's tiles
+        over programs of its own."""
+        config = lora_kernels.pick_config(batch)
+        return config.block_m if config.m_programs == 1 else None
 
     # --- capture --------------------------------------------------------------------------------
 

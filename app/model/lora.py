@@ -35,19 +35,25 @@ class LoRAMetadata:
     seg_slots: torch.Tensor  # [S_cap] int32, -1: no adapter
 
 
-def segments(token_slots: list[int], t_cap: int, s_cap: int) -> tuple[list[int], list[int], list[int]]:
+def segments(token_slots: list[int], t_cap: int, s_cap: int,
+             max_rows: int | None = None) -> tuple[list[int], list[int], list[int]]:
     """Group token indices by slot (-1 = base): (token_order [t_cap], seg_starts [s_cap + 1], seg_slots [s_cap]).
-    Base tokens are left out; unused entries are padding (empty segments of slot -1)."""
+    Base tokens are left out; unused entries are padding (empty segments of slot -1). With max_rows, a slot's
+    tokens form segments of at most that many rows, so that one adapter's many rows run in as many programs
+    (the decode kernels give a segment one program, which would loop over its tiles one after another);
+    s_cap must then hold that many segments (at most one per token)."""
     by_slot: dict[int, list[int]] = {}
     for t, slot in enumerate(token_slots):
         if slot >= 0:
             by_slot.setdefault(slot, []).append(t)
-    assert len(by_slot) <= s_cap, f"{len(by_slot)} distinct adapters > {s_cap} segments"
     order, starts, slots = [], [0], []
     for slot, tokens in by_slot.items():
-        order += tokens
-        starts.append(len(order))
-        slots.append(slot)
+        step = max_rows or len(tokens)
+        for i in range(0, len(tokens), step):
+            order += tokens[i:i + step]
+            starts.append(len(order))
+            slots.append(slot)
+    assert len(slots) <= s_cap, f"{len(slots)} segments > {s_cap}"
     pad = s_cap - len(slots)
     return order + [0] * (t_cap - len(order)), starts + [len(order)] * pad, slots + [-1] * pad
 

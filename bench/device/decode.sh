@@ -6,7 +6,8 @@
 #   bash bench/device/decode.sh                  # decode at batch 1 8 32 64, context 512, compiled graphs, 3 runs
 #                                                # of 20 replays each; prefill 8 x 512; eager batch 32 (~5 min)
 #   SHAPE=qwen2.5-7b bash bench/device/decode.sh # Qwen2.5-7B's shapes (SHAPE=gemma-2-9b: Gemma-2-9B's)
-#   PROFILE=1 bash bench/device/decode.sh        # also torch.profiler tables: the batch-32 replays, prefill, eager
+#   PROFILE=1 bash bench/device/decode.sh        # also torch.profiler tables: the batch-32 replays (ARGS=
+#                                                # "--profile-batch N": batch N's), prefill, eager
 #   PART=prefill bash bench/device/decode.sh     # prefill only (not compiled, graphs up to batch 32), profiled
 #   PART=prefill FUSED_NORM=0 TAG=-hf-rmsnorm bash bench/device/decode.sh   # with transformers' RMSNorm
 # SHAPE (llama-3-8b, qwen2.5-7b, gemma-2-9b), BATCHES (1 8 32 64), RUNS (3), ITERS (20), ARGS (more

@@ -111,17 +111,18 @@ def build_model(args, dev):
 @dataclass(eq=False)
 class Seq:
     request_id: str
-    prompt: list[int]
+    prompt_ids: list[int]
     slot: int | None
-    output: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
+    pending_row: int = -1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        return (self.prompt + self.output)[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
 
 
 def cuda_ms(fn, iters: int) -> list[float]:
@@ -209,6 +210,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--runs", type=int, default=5, help="repetitions of each decode measurement (spread)")
     parser.add_argument("--eager-batch", type=int, default=32)
+    parser.add_argument("--profile-batch", type=int, default=32, help="the decode batch that PROFILE tables")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
@@ -271,7 +273,7 @@ def main(argv=None):
 
     # Decode at each batch size
     for batch in [] if args.skip_decode else args.batches:
-        for distinct in sorted({0, min(batch, 32 if batch <= 32 else batch)} | ({1} if batch > 1 else set())):
+        for distinct in sorted({0, min(batch, args.slots)} | ({1} if batch > 1 else set())):
             seqs = [Seq(f"d{batch}-{distinct}-{i}", torch.randint(0, 128000, (args.context,)).tolist(),
                         i % distinct if distinct else None) for i in range(batch)]
             for s in seqs:  # prefill in groups, then one sampled token each: decode feeds position `context`
@@ -280,15 +282,15 @@ def main(argv=None):
                 group = seqs[i:i + 8]
                 runner.execute(StepPlan(prefill=[Chunk(s, 0, args.context) for s in group]))
             for s in seqs:
-                s.num_cached, s.output = args.context, [1]
+                s.num_cached, s.output_ids = args.context, [1]
             plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
             graph = runner.cuda_graphs.graph_for(runner.prepare(plan))
             runner.execute(plan)
             replay = [statistics.median(cuda_ms(graph.graph.replay, args.iters)) for _ in range(args.runs)]
             whole = [statistics.median(host_ms(lambda: runner.execute(plan), args.iters)) for _ in range(args.runs)]
             host = statistics.median(host_ms(lambda: runner.cuda_graphs.fill(runner.prepare(plan), graph.batch), args.iters))
-            if os.environ.get("PROFILE") and batch == 32:
-                profile_table(graph.graph.replay, f"decode graph replay, batch 32, {distinct} distinct adapters")
+            if os.environ.get("PROFILE") and batch == args.profile_batch:
+                profile_table(graph.graph.replay, f"decode graph replay, batch {batch}, {distinct} distinct adapters")
             ms = statistics.median(replay)
             lora_floor = distinct * adapter_bytes / read_gbs / 1e6
             kv_bytes = kv_read_bytes(config, batch, args.context + 1)
@@ -318,7 +320,7 @@ def main(argv=None):
     seqs = [Seq(f"e{i}", torch.randint(0, 128000, (args.context,)).tolist(), i % 32) for i in range(batch)]
     for s in seqs:
         blocks.allocate(s.request_id, args.context + 1)
-        s.num_cached, s.output = args.context, [1]
+        s.num_cached, s.output_ids = args.context, [1]
     plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
     cuda_graphs, runner.cuda_graphs = runner.cuda_graphs, None
     eager = [statistics.median(host_ms(lambda: runner.execute(plan), 10)) for _ in range(3)]

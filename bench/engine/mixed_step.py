@@ -43,7 +43,7 @@ def main():
     decode = [Seq(f"d{i}", [1] * args.context, i % args.distinct) for i in range(args.decode)]
     for s in decode:
         blocks.allocate(s.request_id, args.context + 1)
-        s.num_cached, s.output = args.context, [1]
+        s.num_cached, s.output_ids = args.context, [1]
     prompts = [Seq(f"p{i}", list(range(100, 100 + prompt_len)), i % args.distinct) for i in range(n_prompts)]
     for s in prompts:
         blocks.allocate(s.request_id, prompt_len)

@@ -121,7 +121,7 @@ def rank_main(rank: int, args, init: str, out: str | None) -> None:
             for i in range(0, batch, 8):
                 runner.execute(StepPlan(prefill=[Chunk(s, 0, args.context) for s in seqs[i:i + 8]]))
             for s in seqs:
-                s.num_cached, s.output = args.context, [1]
+                s.num_cached, s.output_ids = args.context, [1]
             plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in seqs])
             graph = runner.cuda_graphs.graph_for(runner.prepare(plan))
             runner.execute(plan)

@@ -71,3 +71,15 @@ def test_a_tensor_parallel_rank_of_llama_3_70b_holds_its_shards_and_the_replicat
     assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.in_features == 28672 // 4
     replicated = 2 * 128256 * 8192 + (2 * 80 + 1) * 8192  # embeddings, lm_head and the norms
     assert decode.weight_bytes(model) == 2 * ((70_553_706_496 - replicated) // 4 + replicated)  # 38.4 GB a GPU
+
+
+def test_the_bench_sequences_are_what_the_step_inputs_read():
+    """The bench drives the model runner with its own sequences: StepInputs reads them as the engine's requests."""
+    from app.engine.scheduler import Chunk, StepPlan
+    from app.engine.step_inputs import StepInputs
+
+    seq = decode.Seq("d0", [5, 6, 7], slot=2)
+    seq.num_cached, seq.output_ids = 3, [9]
+    inputs = StepInputs.of(StepPlan(decode=[Chunk(seq, 3, 1)]), {"d0": [4]}, block_size=16)
+    assert (inputs.input_ids, inputs.positions, inputs.token_slots, inputs.pending) == ([9], [3], [2], [])
+    assert inputs.slot_mapping == [4 * 16 + 3] and inputs.decode_lens == [4]

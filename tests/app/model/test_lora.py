@@ -22,6 +22,14 @@ def test_segments_group_tokens_by_slot_and_pad():
     assert starts == [0, 3, 5, 5, 5] and slots == [2, 0, -1, -1]
 
 
+def test_segments_of_at_most_max_rows_split_one_adapter_s_rows():
+    order, starts, slots = segments([2, -1, 2, 2, 0, 2, 2], t_cap=8, s_cap=6, max_rows=2)
+    assert order == [0, 2, 3, 5, 6, 4, 0, 0]
+    assert starts == [0, 2, 4, 5, 6, 6, 6] and slots == [2, 2, 2, 0, -1, -1]
+    with pytest.raises(AssertionError, match="4 segments > 3"):
+        segments([2, -1, 2, 2, 0, 2, 2], t_cap=8, s_cap=3, max_rows=2)
+
+
 def test_wrapped_linear_equals_the_per_token_loop_with_mixed_ranks():
     gen = torch.Generator().manual_seed(0)
     slots, max_rank, page_rows, n_in, n_out = 4, 16, 4, 32, 24

@@ -302,6 +302,15 @@ def test_prefill_matches_reference(dtype, max_rank, shape, segments):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("shape", [(4096, 1024), (14336, 4096)])
+def test_decode_rows_of_one_adapter_in_tile_sized_segments(shape):
+    """A decode bucket of 128 rows, 120 on one adapter: the graphs give it segments of one M tile each."""
+    segments = [(DECODE.block_m, 5)] * 7 + [(8, 5), (8, -1)]
+    run_kernels(torch.bfloat16, *shape, 16, segments, t_cap=128, s_cap=128, seed=11, config=DECODE)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("config", [DECODE, PREFILL])
 def test_configs_agree_at_any_size(config):
     run_kernels(torch.bfloat16, 4096, 1024, 16, [(40, 3), (1, 4), (90, 5)], t_cap=160, s_cap=8, seed=7,

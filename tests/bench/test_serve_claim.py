@@ -20,7 +20,7 @@ def free_port() -> int:
 
 
 def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         [path] = serve_load.main([
             "--launch", "--size", "tiny", "--demo-dir", str(demo_dir), "--arms", "A", "A0", "--workload", "uniform@4",

@@ -102,7 +102,7 @@ class SharedRuntime:
             cls._env.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(metrics))
             # Serve's client checks once a second whether an app it waits for is running; ten times here.
             cls._env.setattr(serve_client, "CLIENT_POLLING_INTERVAL_S", 0.1)
-            ray.init(num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
+            ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning", log_to_driver=False)
             cls.cluster = Cluster(demo_dir)
         return cls.cluster
 

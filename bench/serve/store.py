@@ -41,6 +41,7 @@ from unittest import mock
 
 import httpx
 
+from bench.ports import free_ports
 from bench.serve.store_proxy import WEIGHTS_NAME
 
 BUCKET = "bench-adapters"
@@ -88,12 +89,6 @@ def _child_setup(cores: set[int]) -> Callable[[], None]:
     return setup
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EmulatedStore:
     """The moto shards and the proxies as child processes; `close()` (or the `with` block's end) stops them. The
     proxies start at the end of `upload`, which must come first."""
@@ -101,8 +96,8 @@ class EmulatedStore:
     def __init__(self, config: StoreConfig = StoreConfig()):
         self.config = config
         self.cores, self.other_cores = config.core_split()
-        self.moto_ports = [_free_port() for _ in range(config.shards)]
-        self.proxy_port = _free_port()
+        self.moto_ports = free_ports(config.shards)
+        [self.proxy_port] = free_ports(1)
         env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(MOTO_BUFFER_BYTES)}
         self._moto = [subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -25,6 +25,7 @@ import torch
 
 from adapter_helpers import BASE
 from app.adapters.registry import AdapterRegistry
+from bench.ports import free_ports
 
 # The GPU machine's image runs `pytest -m gpu` over tests/app without the test extra: skip, do not fail, there.
 boto3 = pytest.importorskip("boto3")
@@ -33,12 +34,6 @@ s3fs = pytest.importorskip("s3fs")
 REGION = "us-east-1"
 S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")  # use_s3_endpoint's
 _buckets = itertools.count()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _moto_command(port: int) -> list[str]:
@@ -61,7 +56,7 @@ class MotoServer:
     `enforce_auth`."""
 
     def __init__(self, start_timeout_s: float = 30.0):
-        port = free_port()
+        [port] = free_ports(1)
         self.endpoint = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.key_id, self.secret = "testing", "testing"

@@ -5,18 +5,12 @@ router, and only A's router sending hints."""
 from __future__ import annotations
 
 import json
-import socket
 
 import ray
 from ray import serve
 
+from bench.ports import free_ports
 from bench.serve import load as serve_load
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
@@ -25,7 +19,7 @@ def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
         [path] = serve_load.main([
             "--launch", "--size", "tiny", "--demo-dir", str(demo_dir), "--arms", "A", "A0", "--workload", "uniform@4",
             "--num-requests", "16", "--rate", "40", "--capacity", "2", "--batch", "2", "--max-ongoing", "1",
-            "--length-scale", "0.05", "--drain-s", "0.5", "--port", str(free_port()), "--results-dir", str(tmp_path)])
+            "--length-scale", "0.05", "--drain-s", "0.5", "--port", str(free_ports(1)[0]), "--results-dir", str(tmp_path)])
     finally:
         serve.shutdown()
         ray.shutdown()

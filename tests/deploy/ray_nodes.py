@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,21 +24,12 @@ import yaml
 from ray._raylet import Config
 from ray.serve.context import _set_global_client
 
+from bench.ports import free_ports  # noqa: F401 - the tests import it from here
+
 RAY = str(Path(sys.executable).with_name("ray"))
 SERVE = str(Path(sys.executable).with_name("serve"))
 # Ray >= 2.60 puts new local clusters under token auth; the CLI and drivers must say so to send the token.
 RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class RayNode:

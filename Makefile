@@ -32,8 +32,8 @@ demo: install
 demo-smollm2: install
 	$(BIN)/python -m app.demo --size smollm2 --out demo/smollm2
 
-# Three pytest runs at once: the tests that start Ray clusters in two, the rest beside them at the lowest CPU
-# priority (tests/lanes.py). `$(BIN)/python -m pytest` runs the same tests in one process.
+# Two pytest runs at once: the tests that start Ray clusters, and the rest beside them at the lowest CPU priority
+# (tests/lanes.py). `$(BIN)/python -m pytest` runs the same tests in one process.
 # The project's own modules are compiled first: about a hundred processes (Ray workers, replicas) import them, and
 # where PYTHONDONTWRITEBYTECODE is set each would compile them again.
 test: install

@@ -283,4 +283,6 @@ def test_stall_sampler_finds_where_a_long_host_part_waits():
     assert summary["engine"][0][0].startswith("before: test_async_engine.py:") and "slow_launch" in summary["engine"][0][0]
     assert any("busy_neighbour" in where for where, _ in summary["others"])
     late = summary["wake_late_ms"]
-    assert late["wakes"] >= 10 and 0 <= late["recent_p50"] <= late["recent_p99"] <= late["max"]
+    # every sample follows a wake (how many wakes a busy machine allows in 0.15 s is not this test's business)
+    assert late["wakes"] >= summary["samples"]["before"]
+    assert 0 <= late["recent_p50"] <= late["recent_p99"] <= late["max"]

@@ -1,7 +1,9 @@
 """Ports for servers started later by other processes: free, distinct, and out of the kernel's ephemeral range."""
 
 import socket
+from types import SimpleNamespace
 
+from bench import ports
 from bench.ports import FIRST_PORT, _ephemeral_start, free_ports
 
 
@@ -13,9 +15,13 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
             s.bind(("127.0.0.1", port))
 
 
-def test_a_port_in_use_is_never_handed_out():
+def test_a_port_in_use_is_never_handed_out(monkeypatch):
+    """The held port is drawn first (and again), and each time passed over for the next free one."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", free_ports(1)[0]))
         held.listen()
         taken = held.getsockname()[1]
-        assert all(taken not in free_ports(64) for _ in range(50))
+        spare = next(port for port in free_ports(2) if port != taken)
+        draws = iter([taken, taken, spare])
+        monkeypatch.setattr(ports.random, "SystemRandom", lambda: SimpleNamespace(randrange=lambda lo, hi: next(draws)))
+        assert free_ports(1) == [spare]

@@ -15,11 +15,12 @@ from bench.serve import load as serve_load
 
 def test_arms_a_and_a0_through_serve(demo_dir, tmp_path):
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    [port] = free_ports(1)
     try:
         [path] = serve_load.main([
             "--launch", "--size", "tiny", "--demo-dir", str(demo_dir), "--arms", "A", "A0", "--workload", "uniform@4",
             "--num-requests", "16", "--rate", "40", "--capacity", "2", "--batch", "2", "--max-ongoing", "1",
-            "--length-scale", "0.05", "--drain-s", "0.5", "--port", str(free_ports(1)[0]), "--results-dir", str(tmp_path)])
+            "--length-scale", "0.05", "--drain-s", "0.5", "--port", str(port), "--results-dir", str(tmp_path)])
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -66,11 +66,12 @@ class CudaGraphs:
         self.max_blocks, self.block_size, self.head_dim = max_blocks, block_size, head_dim
         self.graphs: dict[tuple[int, bool], DecodeGraph] = {}  # (batch, lora) -> graph
         self.mixed_replays = 0  # steps that prefill, replayed in a graph
-        # The graphs replay what this callable launches at capture: transformers' decoder eagerly, or compiled
-        # by torch.compile, whose inductor fuses the elementwise work between the GEMMs (RMSNorm with its
-        # residual add, RoPE). Our attention and LoRA kernels stay opaque to it.
+        # The graphs replay what this callable launches at capture, and the model runner's eager steps run it:
+        # transformers' decoder as it is, or compiled by torch.compile, whose inductor fuses the elementwise work
+        # between the GEMMs (RMSNorm with its residual add, RoPE, SiLU with its product). Our attention and LoRA
+        # kernels stay opaque to it. Compiled with dynamic shapes, one compilation serves every bucket and step.
         self.compiled = compile_decode
-        self._decoder = torch.compile(model.model, dynamic=True) if compile_decode else model.model
+        self.decoder = torch.compile(model.model, dynamic=True) if compile_decode else model.model
         self.capture_seconds = 0.0
         self._capture_all()
 
@@ -215,7 +216,7 @@ class CudaGraphs:
                                           self.static_slots[:s_cap]) if lora else None
 
     def _static_forward(self, batch: int) -> torch.Tensor:
-        out = self._decoder(input_ids=self.static_ids[None, :batch],
+        out = self.decoder(input_ids=self.static_ids[None, :batch],
                             position_ids=self.static_positions[None, :batch], use_cache=False)
         hidden = out.last_hidden_state[0]
         if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows

@@ -2,8 +2,8 @@
 
 The only place that knows about CUDA graphs and static buffers: on CUDA a step replays the graph captured at
 start-up for the smallest bucket that holds its tokens (app/engine/cuda_graphs.py). Larger steps, and every
-step on CPU, run eagerly, all of a step's tokens flattened into one row ([1, T]: decode rows first, then
-prefill chunks; app/engine/step_inputs.py).
+step on CPU, run eagerly (through the graphs' compiled decoder where there is one), all of a step's tokens
+flattened into one row ([1, T]: decode rows first, then prefill chunks; app/engine/step_inputs.py).
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ class ModelRunner:
         if inputs.pending:
             at, rows = zip(*inputs.pending)
             input_ids[t(at)] = previous[t(rows)]
+        decoder = self.model.model if self.cuda_graphs is None else self.cuda_graphs.decoder
         try:
-            out = self.model.model(input_ids=input_ids[None], position_ids=t(inputs.positions)[None],
+            out = decoder(input_ids=input_ids[None], position_ids=t(inputs.positions)[None],
                                    use_cache=False)
         finally:
             self.attention.meta, self.lora.ctx.meta = None, None

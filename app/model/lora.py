@@ -12,7 +12,9 @@ grows with the distinct adapters in the batch, not with the slot count. CUDA run
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +136,36 @@ class LoRAContext:
         return y
 
 
+_GROUPS: weakref.WeakValueDictionary[int, LinearGroup] = weakref.WeakValueDictionary()  # handle -> group
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("lora_serve::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, handle: int, position: int) -> torch.Tensor:
+    """A LinearGroup's GEMM and LoRA as one op, opaque to torch.compile: position -1 gives every member's output
+    (the group's whole width), a member's position that member's alone."""
+    group = _GROUPS[handle]
+    if position < 0:
+        return group.ctx.linear(x, group.weight, group.bias, group.group)
+    return group._run_alone(position, x)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, handle: int, position: int) -> torch.Tensor:
+    widths = _GROUPS[handle].widths
+    return x.new_empty(*x.shape[:-1], sum(widths) if position < 0 else widths[position])
+
+
 class LinearGroup:
     """Linears that read the same input, run as one: one GEMM over their concatenated weights (as vLLM's
     fused QKV and gate/up projections), then one LoRA shrink and one expand launch for the members that
     adapters target, instead of a GEMM and two launches per linear. The first member's call computes every
     member's output; the others' calls, which the model makes next with the same input, return theirs.
-    A member called without that (another call order) computes its own output alone."""
+    A member called without that (another call order) computes its own output alone.
+
+    Under torch.compile the group's work is one opaque op (`_linear_op`) whose output the members slice, so the
+    compiled graph does not break at each member's call: the elementwise work between them (SiLU of gate and its
+    product with up, q's and k's RoPE) fuses into one kernel."""
 
     def __init__(self, linears: list[nn.Linear], lora: dict[int, tuple[int, torch.Tensor, torch.Tensor]],
                  ctx: LoRAContext):
@@ -169,13 +195,19 @@ class LinearGroup:
                                    tuple(lora[p][0] for p in positions), tuple(columns[p] for p in positions)) \
             if lora else None
         self.alone = {p: kernels.Group.single(A, BT, module) for p, (module, A, BT) in lora.items()}
+        self.columns = columns
         self.pending: dict[int, tuple[tuple, torch.Tensor]] = {}  # position -> (input key, output)
+        self.traced: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, output) of a traced first call
+        self.handle = next(_HANDLES)
+        _GROUPS[self.handle] = self
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple:
         return x.data_ptr(), x.shape, x.stride()
 
     def output(self, position: int, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced_output(position, x)
         if len(self.linears) == 1:
             return self._run_alone(0, x)
         if position == 0:
@@ -188,6 +220,22 @@ class LinearGroup:
         if pending is not None and pending[0] == self._key(x):
             return pending[1]
         return self._run_alone(position, x)
+
+    def _traced_output(self, position: int, x: torch.Tensor) -> torch.Tensor:
+        """`output` in the form torch.compile traces: the first member's call leaves (input, output) for the
+        others, and the last member's call clears it, so that no activation outlives the compiled graph."""
+        last = len(self.widths) - 1
+        if position == 0 and last > 0:
+            y = torch.ops.lora_serve.linear(x, self.handle, -1)
+            self.traced = (x, y)
+            return y[..., : self.widths[0]]
+        traced = self.traced
+        if position > 0 and traced is not None and traced[0] is x:
+            if position == last:
+                self.traced = None
+            start = self.columns[position]
+            return traced[1][..., start: start + self.widths[position]]
+        return torch.ops.lora_serve.linear(x, self.handle, position)
 
     def _run_alone(self, position: int, x: torch.Tensor) -> torch.Tensor:
         linear = self.linears[position]
@@ -205,7 +253,6 @@ class LoRALinear(nn.Module):
         self.group = group
         self.position = position
 
-    @torch.compiler.disable  # opaque to the model runner's torch.compile: a GEMM plus our Triton kernels
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(self.position, x)
 

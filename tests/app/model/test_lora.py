@@ -162,3 +162,31 @@ def test_sibling_linears_run_as_one_group_and_equal_the_per_module_loop(fp8):
         torch.testing.assert_close(k_alone, reference.model.layers[0].self_attn.k_proj(x))
         v_alone = attn.v_proj(x)
         torch.testing.assert_close(v_alone, reference.model.layers[0].self_attn.v_proj(x), rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_groups_trace_whole_and_equal_the_eager_forward():
+    """Under torch.compile a group's GEMM and LoRA run as one opaque op whose output its members slice: the
+    decoder traces as one graph (no break at each member's call, so the elementwise work between them can fuse),
+    with one op per group, equals the eager forward with an adapter on some rows, and keeps no activation after."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TINY).eval()
+    layout = PageLayout(target_shapes(TINY), max_rank=8, page_rows=4)
+    lora = LoRASlots(model, layout, num_pages=6, num_slots=3, t_cap=8)
+    gen = torch.Generator().manual_seed(1)
+    parts = {module: (torch.randn(6 * n_in, generator=gen), torch.randn(n_out * 6, generator=gen), 6, 0.5)
+             for module, (n_in, n_out) in layout.shapes.items()}
+    host = [torch.empty(layout.page_numel) for _ in range(2)]
+    lora.write_slot(1, [4, 2], host, layout.pack(parts, host), 6)
+    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    lora.ctx.meta = LoRAMetadata(*map(t, segments([1, -1, 1, 1], 4, 4)))
+    ids = torch.tensor([[3, 7, 1, 30]])
+    with torch.inference_mode():
+        want = model.model(input_ids=ids).last_hidden_state
+        explained = torch._dynamo.explain(model.model)(input_ids=ids)
+        assert explained.graph_break_count == 0
+        ops = [node for graph in explained.graphs for node in graph.graph.nodes if "lora_serve" in str(node.target)]
+        assert len(ops) == len(lora.groups) == 4
+        torch._dynamo.reset()
+        got = torch.compile(model.model, backend="aot_eager", dynamic=True)(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, want)
+    assert all(group.traced is None for group in lora.groups)

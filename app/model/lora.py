@@ -141,19 +141,19 @@ _HANDLES = itertools.count()
 
 
 @torch.library.custom_op("lora_serve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, handle: int, position: int) -> torch.Tensor:
+def _linear_op(x: torch.Tensor, handle: torch.Tensor, position: int, width: int) -> torch.Tensor:
     """A LinearGroup's GEMM and LoRA as one op, opaque to torch.compile: position -1 gives every member's output
-    (the group's whole width), a member's position that member's alone."""
-    group = _GROUPS[handle]
+    (the group's whole width), a member's position that member's alone; `width` is the output's. The group is
+    named by a tensor, not an int: torch.compile guards on an int's value, and would compile each layer anew."""
+    group = _GROUPS[int(handle)]
     if position < 0:
         return group.ctx.linear(x, group.weight, group.bias, group.group)
     return group._run_alone(position, x)
 
 
 @_linear_op.register_fake
-def _(x: torch.Tensor, handle: int, position: int) -> torch.Tensor:
-    widths = _GROUPS[handle].widths
-    return x.new_empty(*x.shape[:-1], sum(widths) if position < 0 else widths[position])
+def _(x: torch.Tensor, handle: torch.Tensor, position: int, width: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], width)
 
 
 class LinearGroup:
@@ -198,8 +198,9 @@ class LinearGroup:
         self.columns = columns
         self.pending: dict[int, tuple[tuple, torch.Tensor]] = {}  # position -> (input key, output)
         self.traced: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, output) of a traced first call
-        self.handle = next(_HANDLES)
-        _GROUPS[self.handle] = self
+        handle = next(_HANDLES)
+        self.handle = torch.tensor(handle)  # [] int64, on the host
+        _GROUPS[handle] = self
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple:
@@ -226,7 +227,7 @@ class LinearGroup:
         others, and the last member's call clears it, so that no activation outlives the compiled graph."""
         last = len(self.widths) - 1
         if position == 0 and last > 0:
-            y = torch.ops.lora_serve.linear(x, self.handle, -1)
+            y = torch.ops.lora_serve.linear(x, self.handle, -1, sum(self.widths))
             self.traced = (x, y)
             return y[..., : self.widths[0]]
         traced = self.traced
@@ -235,7 +236,7 @@ class LinearGroup:
                 self.traced = None
             start = self.columns[position]
             return traced[1][..., start: start + self.widths[position]]
-        return torch.ops.lora_serve.linear(x, self.handle, position)
+        return torch.ops.lora_serve.linear(x, self.handle, position, self.widths[position])
 
     def _run_alone(self, position: int, x: torch.Tensor) -> torch.Tensor:
         linear = self.linears[position]

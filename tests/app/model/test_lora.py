@@ -190,3 +190,25 @@ def test_compiled_groups_trace_whole_and_equal_the_eager_forward():
         got = torch.compile(model.model, backend="aot_eager", dynamic=True)(input_ids=ids).last_hidden_state
     torch.testing.assert_close(got, want)
     assert all(group.traced is None for group in lora.groups)
+
+
+def test_compiled_layers_share_one_compilation():
+    """The engine's attention breaks the compiled graph in every layer, so dynamo compiles each layer's frames on
+    their own: the layers' groups must not differ in anything dynamo guards on (an int handle would make each layer
+    compile anew, and past dynamo's recompile limit run eagerly)."""
+    from torch._dynamo.utils import counters
+
+    def compiled_graphs(layers: int) -> int:
+        config = LlamaConfig(**{**TINY.to_dict(), "num_hidden_layers": layers})
+        model = LlamaForCausalLM(config).eval()
+        LoRASlots(model, PageLayout(target_shapes(config), max_rank=8, page_rows=4), num_pages=6, num_slots=3,
+                  t_cap=8)
+        for layer in model.model.layers:  # as app/model/attention.py's attention: opaque to torch.compile
+            layer.self_attn.forward = torch.compiler.disable(layer.self_attn.forward)
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.inference_mode():
+            torch.compile(model.model, backend="eager", dynamic=True)(input_ids=torch.tensor([[3, 7, 1, 30]]))
+        return counters["stats"]["unique_graphs"]
+
+    assert compiled_graphs(3) == compiled_graphs(1)

@@ -141,7 +141,7 @@ def profile_table(fn, title: str, steps: int = 3) -> None:
             fn()
         torch.cuda.synchronize()
     print(f"== profile: {title} ({steps} steps) ==")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 def build(args, dev):

@@ -69,8 +69,8 @@ class EngineConfig:
     block_size: Literal[16, 32, 64] = Field(default=16, description="Tokens per KV cache block.")
     cuda_graphs: bool = Field(default=True, description="Capture decode steps in CUDA graphs (CUDA only).")
     compile_decode: bool = Field(
-        default=True, description="torch.compile the decoder before capturing the decode graphs (CUDA only): "
-        "faster decode steps for a longer start-up.")
+        default=True, description="torch.compile the decoder before capturing the decode graphs, and run it for "
+        "the steps too large for a graph (CUDA only): faster steps for a longer start-up.")
     max_graph_tokens: int = Field(
         default=512, ge=0, description="Steps that prefill, of up to this many tokens (decode rows plus prompt "
         "tokens), replay CUDA graphs captured at start-up; larger ones run eagerly (CUDA only; 0: decode steps "

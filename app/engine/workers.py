@@ -48,6 +48,7 @@ from app.model.architectures import UnsupportedModel, check_supported
 from app.model.attention import PagedKVCache
 from app.adapters.targets import pool_shapes, target_shapes
 from app.model.lora import LoRASlots
+from app.model.fp8 import quantize_linears
 from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_parallel, load_shard
 from prefetch.layout import PageLayout
 
@@ -97,9 +98,9 @@ def check_tensor_parallel_config(config: EngineConfig, model_config, fp8_checkpo
     if size == 1:
         return
     check_tensor_parallel(model_config, size)
-    if fp8_checkpoint or config.quantization is not None:
-        raise UnsupportedModel(f"tensor_parallel_size {size} with FP8 weights is not served; use "
-                               "tensor_parallel_size 1 for an FP8 base")
+    if fp8_checkpoint:
+        raise UnsupportedModel(f"tensor_parallel_size {size} with an FP8 checkpoint is not served; use "
+                               "tensor_parallel_size 1 for it, or its bf16 weights with quantization: fp8")
 
 
 def adapter_registry(config: EngineConfig, model_config) -> AdapterRegistry:
@@ -305,8 +306,12 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
         dtype = config.torch_dtype(device)
         model_config = AutoConfig.from_pretrained(config.base_model)
         registry = adapter_registry(config, model_config)
-        model, plan = load_shard(Path(config.base_model), model_config, check_supported(model_config),
-                                 TensorParallel(rank, size), dtype, device)
+        arch = check_supported(model_config)
+        model, plan = load_shard(Path(config.base_model), model_config, arch, TensorParallel(rank, size), dtype, device)
+        if config.quantization == "fp8":  # as rank 0 quantizes its shard (app/engine/builder.py)
+            quantize_linears(model, arch.target_shapes(model.config))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         sizes = _receive(control)
         layout = PageLayout(pool_shapes(target_shapes(model.config), config.target_modules), config.max_rank,
                             config.adapter_page_rows)

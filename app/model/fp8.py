@@ -157,12 +157,14 @@ class Fp8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module, paths) -> int:
     """Replace the nn.Linear at each module path (the architecture's projections, every layer) with an Fp8Linear;
-    returns how many. Embeddings, norms and lm_head keep the model's dtype."""
+    returns how many. A tensor-parallel shard's row-parallel projections become their FP8 form (`to_fp8`).
+    Embeddings, norms and lm_head keep the model's dtype."""
     count = 0
     for path in paths:
         linear = model.get_submodule(path)
-        if type(linear) is not nn.Linear:
+        to_fp8 = getattr(linear, "to_fp8", None)
+        if type(linear) is not nn.Linear and to_fp8 is None:
             raise TypeError(f"{path} is {type(linear).__name__}, not torch.nn.Linear: it cannot be quantized to FP8")
-        model.set_submodule(path, Fp8Linear.from_linear(linear))
+        model.set_submodule(path, Fp8Linear.from_linear(linear) if to_fp8 is None else to_fp8())
         count += 1
     return count

@@ -22,7 +22,7 @@ from torch import nn
 
 from app.model.architectures import UnsupportedModel, check_supported
 from app.model.fp8 import Fp8Linear, Fp8Weight, base_linear
-from app.model.tensor_parallel import RowParallelLinear
+from app.model.tensor_parallel import RowParallel, RowParallelFp8Linear, RowParallelLinear
 from app.model.kernels import lora as kernels
 from prefetch.layout import PageLayout
 
@@ -240,8 +240,8 @@ class LinearGroup:
 
     def _run_alone(self, position: int, x: torch.Tensor) -> torch.Tensor:
         linear = self.linears[position]
-        if isinstance(linear, RowParallelLinear):  # this rank's base and LoRA shares, summed over ranks at once
-            return linear.reduce(self.ctx.linear(x, linear.weight, None, self.alone.get(position)))
+        if isinstance(linear, RowParallel):  # this rank's base and LoRA shares, summed over ranks at once
+            return linear.reduce(self.ctx.linear(x, base_weight(linear), None, self.alone.get(position)))
         return self.ctx.linear(x, base_weight(linear), linear.bias, self.alone.get(position))
 
 
@@ -322,7 +322,7 @@ def wrap_targets(model: nn.Module, layout: PageLayout, views, ctx: LoRAContext,
 def _check_linear(parent_name: str, name: str, linear, shape: tuple[int, int]) -> None:
     """The LoRA layers compute F.linear over the module's weight: anything else (a quantized or custom linear, a
     missing module) would be served wrong, so it is refused by name."""
-    if type(linear) not in (nn.Linear, Fp8Linear, RowParallelLinear):
+    if type(linear) not in (nn.Linear, Fp8Linear, RowParallelLinear, RowParallelFp8Linear):
         raise UnsupportedModel(f"{parent_name}.{name} is {type(linear).__name__}, not torch.nn.Linear; "
                                "LoRA is served on plain linears only (and on the FP8 ones of `quantization: fp8`, "
                                "and the row-parallel ones of tensor parallelism)")

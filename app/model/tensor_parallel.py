@@ -38,6 +38,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from app.model.architectures import Architecture, Dims, UnsupportedModel, head_dim
+from app.model.fp8 import Fp8Linear, Fp8Weight, fp8_linear
 from app.model.fp8_checkpoint import fp8_scheme, tensor_files
 
 try:
@@ -128,15 +129,12 @@ def _share(width: int, tp: TensorParallel) -> torch.Tensor:
     return torch.arange(tp.rank * n, (tp.rank + 1) * n)
 
 
-class RowParallelLinear(nn.Linear):
-    """A row-parallel projection: the rank's input columns of the weight. Its partial output is summed over the
-    ranks, then the bias (which every rank holds whole) is added once."""
+class RowParallel:
+    """What row-parallel projections share: the rank's input columns of the weight; the partial output is summed
+    over the ranks, then the bias (which every rank holds whole) is added once."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel):
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.tp = tp
+    tp: TensorParallel
+    bias: torch.Tensor | None
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of each rank's partial output, plus the bias."""
@@ -144,9 +142,38 @@ class RowParallelLinear(nn.Linear):
             dist.all_reduce(partial, group=self.tp.group)
         return partial if self.bias is None else partial + self.bias
 
+
+class RowParallelLinear(RowParallel, nn.Linear):
+    """A row-parallel projection in the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel):
+        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tp = tp
+
     @torch.compiler.disable  # the all-reduce runs as it is, outside the model runner's torch.compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(nn.functional.linear(x, self.weight))
+
+    def to_fp8(self) -> RowParallelFp8Linear:
+        """This projection with its weight in FP8, one scale per output channel over the rank's input columns (so
+        a rank's scales may differ from another's, and from the unsharded weight's)."""
+        return RowParallelFp8Linear(Fp8Weight.quantize(self.weight), self.bias, self.tp)
+
+
+class RowParallelFp8Linear(RowParallel, Fp8Linear):
+    """A row-parallel projection with its weight in FP8 (`quantization: fp8`): each rank quantizes its share of the
+    input per token, so a token's activation scales differ between ranks (the unsharded layer has one per token;
+    agreeing on it would take one more collective per projection)."""
+
+    def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None, tp: TensorParallel):
+        super().__init__(weight, bias)
+        self.tp = tp
+
+    @torch.compiler.disable  # as RowParallelLinear's
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(fp8_linear(x, self.fp8))
 
 
 def shard_model(model: nn.Module, arch: Architecture, tp: TensorParallel) -> ShardPlan:

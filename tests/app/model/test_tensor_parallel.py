@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: how each projection and adapter is sharded, the sizes refused by name, a worker that
 reads only its shard from a checkpoint, and two workers in a real gloo process group whose sharded forward, with an
 adapter on every target, gives the unsharded model's logits (the adapter row: PEFT's) within float32's
-summation-order error."""
+summation-order error, in the model's dtype and with FP8 weights."""
 
 import copy
 import json
@@ -10,23 +10,28 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from app.engine.config import EngineConfig
+from app.engine.workers import check_tensor_parallel_config
 from app.model.architectures import UnsupportedModel, check_supported
 from app.model.tensor_parallel import (RowParallelLinear, ShardPlan, TensorParallel, check_tensor_parallel, load_shard,
                                        shard_model)
 from arch_helpers import case_config
 from tp_helpers import build, worker
 
-# case -> (architecture case, config overrides): q/k/v and MLP biases (the row-parallel down_proj's bias is added
-# once), Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2's soft-capping and windows, Phi-3's fused projections, and
-# one key/value head replicated over both ranks; the last field: whether the workers read their shards from a
-# saved checkpoint (load_shard) rather than shard the whole model (shard_model).
+# case -> (architecture case, config overrides, how): q/k/v and MLP biases (the row-parallel down_proj's bias is
+# added once), Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2's soft-capping and windows, Phi-3's fused projections,
+# and one key/value head replicated over both ranks; `how` the workers get their shards (tp_helpers.logits_errors):
+# shard the whole model, read them from a saved checkpoint, or shard and quantize them to FP8 (whose reference is the
+# FP8 arithmetic of two ranks in one process: a row-parallel projection's ranks quantize their columns on their own).
 CASES = {
-    "llama-biases": ("llama-biases", dict(mlp_bias=True), True),
-    "llama-one-kv-head": ("llama", dict(num_key_value_heads=1), True),
-    "qwen2": ("qwen2", {}, False),
-    "qwen3": ("qwen3", {}, False),
-    "gemma2": ("gemma2", {}, False),
-    "phi3": ("phi3", {}, True),
+    "llama-biases": ("llama-biases", dict(mlp_bias=True), "checkpoint"),
+    "llama-one-kv-head": ("llama", dict(num_key_value_heads=1), "checkpoint"),
+    "qwen2": ("qwen2", {}, "shard"),
+    "qwen3": ("qwen3", {}, "shard"),
+    "gemma2": ("gemma2", {}, "shard"),
+    "phi3": ("phi3", {}, "checkpoint"),
+    "llama-biases-fp8": ("llama-biases", dict(mlp_bias=True), "fp8"),
+    "phi3-fp8": ("phi3", {}, "fp8"),
 }
 
 
@@ -76,6 +81,14 @@ def test_a_size_that_cannot_shard_the_model_is_refused_by_name(heads, kv_heads, 
                          intermediate_size=inter)
     with pytest.raises(UnsupportedModel, match=f"tensor_parallel_size {size} does not divide .*{named}"):
         check_tensor_parallel(config, size)
+
+
+def test_fp8_weights_shard_when_quantized_as_they_load_and_an_fp8_checkpoint_is_refused_by_name():
+    config = EngineConfig(base_model="base", tensor_parallel_size=2, quantization="fp8")
+    model_config = case_config("llama")
+    check_tensor_parallel_config(config, model_config, fp8_checkpoint=False)
+    with pytest.raises(UnsupportedModel, match="tensor_parallel_size 2 with an FP8 checkpoint is not served"):
+        check_tensor_parallel_config(config, model_config, fp8_checkpoint=True)
 
 
 @pytest.mark.parametrize("case", ["llama-biases", "llama-one-kv-head", "phi3"])

@@ -1,5 +1,6 @@
 """FP8 checkpoints in compressed-tensors' float format, written by the compressed-tensors package from a dense
-model folder, as llm-compressor writes the ones RedHatAI publishes (without calibration: FP8 weights need none)."""
+model folder, as llm-compressor writes the ones RedHatAI publishes (without calibration: FP8 weights need none); and
+the FP8 engine's reference: the FP8 base under PEFT's adapter arithmetic."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.model.fp8 import FP8_MAX
+from app.adapters.targets import target_shapes
+from app.model.architectures import check_supported
+from app.model.fp8 import FP8_MAX, Fp8Weight, fp8_linear_reference
+from app.model.tensor_parallel import ShardPlan, TensorParallel
 
 
 def write_fp8_checkpoint(dense: Path, out: Path, strategy: str = "channel") -> Path:
@@ -37,3 +41,34 @@ def write_fp8_checkpoint(dense: Path, out: Path, strategy: str = "channel") -> P
     compressor.update_config(str(out))
     AutoTokenizer.from_pretrained(dense).save_pretrained(out)
     return out
+
+
+def fp8_peft_reference(root: Path, adapter: str | None, prompt: str, max_new: int, ranks: int = 1):
+    """The FP8 base through PEFT's adapter arithmetic: each projection's base output is fp8_linear_reference's,
+    computed from its input as the engine's GEMM sees it, and PEFT adds the adapter's from the same input. With
+    `ranks`, as that many tensor-parallel ranks compute it: a row-parallel projection's ranks quantize their input
+    columns (weight and activation) on their own, and their products are summed. Returns the greedy tokens and
+    each step's scores."""
+    from peft import PeftModel
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.bfloat16).cuda()
+    arch = check_supported(model.config)
+    plans = [ShardPlan(arch, model.config, TensorParallel(rank, ranks)) for rank in range(ranks)] if ranks > 1 else []
+    for path in target_shapes(model.config):
+        linear = model.get_submodule(path)
+        if not plans or plans[0].splits[path].kind == "column":  # a column-parallel shard's scales are the whole's
+            parts = [(slice(None), Fp8Weight.quantize(linear.weight))]
+        else:
+            indices = [plan.splits[path].index.cuda() for plan in plans]
+            parts = [(index, Fp8Weight.quantize(linear.weight[:, index])) for index in indices]
+        linear.register_forward_hook(lambda module, args, out, parts=parts: (
+            sum(fp8_linear_reference(args[0].float()[..., index], weight) for index, weight in parts)
+            + (0 if module.bias is None else module.bias.float())).to(out.dtype))
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
+    inputs = tokenizer(prompt, return_tensors="pt").to("cuda")
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0].float().cpu() for s in out.scores]

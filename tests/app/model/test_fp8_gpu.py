@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from app.adapters.targets import target_shapes
 from app.model.fp8 import Fp8Weight, fp8_linear, fp8_linear_reference, quantize_rows
 from app.model.kernels.fp8 import quantize_rows_fused
 from engine_helpers import agrees_up_to_near_tie, greedy, run_all
+from fp8_helpers import fp8_peft_reference, write_fp8_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU")]
@@ -66,29 +66,6 @@ def test_the_fp8_gemm_replays_in_a_cuda_graph():
     torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=3e-2)
 
 
-def fp8_peft_reference(root, adapter, prompt):
-    """The FP8 base through PEFT's adapter arithmetic: each projection's base output is fp8_linear_reference's,
-    computed from its input as the engine's GEMM sees it, and PEFT adds the adapter's from the same input."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(root / "base")
-    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.bfloat16).cuda()
-    for path in target_shapes(model.config):
-        linear = model.get_submodule(path)
-        weight = Fp8Weight.quantize(linear.weight)
-        linear.register_forward_hook(
-            lambda module, args, out, weight=weight: fp8_linear_reference(args[0].float(), weight, module.bias)
-            .to(out.dtype))
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
-    inputs = tokenizer(prompt, return_tensors="pt").to("cuda")
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, output_scores=True,
-                             return_dict_in_generate=True)
-    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0].float().cpu() for s in out.scores]
-
-
 def test_an_fp8_engine_serves_the_fp8_base_and_its_adapters_as_peft_computes_them(make_engine, graph_model,
                                                                                       manifest):
     names = ["a0", "a1", "a2"]
@@ -104,7 +81,7 @@ def test_an_fp8_engine_serves_the_fp8_base_and_its_adapters_as_peft_computes_the
     tokens = run_all(engine, check=True)
     for (prompt, adapter), request in zip(jobs, requests):
         got = tokens[request.request_id]
-        expected, scores = fp8_peft_reference(graph_model, adapter, prompt)
+        expected, scores = fp8_peft_reference(graph_model, adapter, prompt, MAX_NEW)
         assert agrees_up_to_near_tie(got, expected, scores), (adapter, got, expected)
 
 
@@ -113,7 +90,6 @@ def test_an_fp8_checkpoint_serves_as_its_dense_model_quantized_here(make_engine,
     base quantized at load (up to a near tie: the checkpoint's scales come from the float32 weights, the engine's
     from their bf16 copy)."""
     pytest.importorskip("compressed_tensors")
-    from fp8_helpers import write_fp8_checkpoint
 
     checkpoint = write_fp8_checkpoint(graph_model / "base", tmp_path / "fp8")
     prompts = manifest["prompts"]
@@ -124,5 +100,5 @@ def test_an_fp8_checkpoint_serves_as_its_dense_model_quantized_here(make_engine,
     requests = [engine.add_request(p, a, greedy(MAX_NEW, ignore_eos=True)) for p, a in jobs]
     tokens = run_all(engine, check=True)
     for (prompt, adapter), request in zip(jobs, requests):
-        expected, scores = fp8_peft_reference(graph_model, adapter, prompt)
+        expected, scores = fp8_peft_reference(graph_model, adapter, prompt, MAX_NEW)
         assert agrees_up_to_near_tie(tokens[request.request_id], expected, scores), (adapter, prompt)

@@ -217,7 +217,7 @@ class CudaGraphs:
 
     def _static_forward(self, batch: int) -> torch.Tensor:
         out = self.decoder(input_ids=self.static_ids[None, :batch],
-                            position_ids=self.static_positions[None, :batch], use_cache=False)
+                           position_ids=self.static_positions[None, :batch], use_cache=False)
         hidden = out.last_hidden_state[0]
         if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows
             hidden = hidden.index_select(0, self.static_sample)

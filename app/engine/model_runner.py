@@ -120,8 +120,7 @@ class ModelRunner:
             input_ids[t(at)] = previous[t(rows)]
         decoder = self.model.model if self.cuda_graphs is None else self.cuda_graphs.decoder
         try:
-            out = decoder(input_ids=input_ids[None], position_ids=t(inputs.positions)[None],
-                                   use_cache=False)
+            out = decoder(input_ids=input_ids[None], position_ids=t(inputs.positions)[None], use_cache=False)
         finally:
             self.attention.meta, self.lora.ctx.meta = None, None
         return out.last_hidden_state[0]

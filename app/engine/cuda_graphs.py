@@ -144,17 +144,11 @@ class CudaGraphs:
             self.static_ids.index_copy_(0, at, previous.index_select(0, rows))
 
     def _segment_cap(self, batch: int) -> int:
-        """One segment per request (each has one adapter), and one more per M tile where segments are capped."""
-        rows = self._segment_rows(batch)
-        return min(batch, self.max_batch_size + (-(-batch // rows) if rows else 0))
+        return segment_cap(batch, self.max_batch_size, self.lora.num_slots)
 
     @staticmethod
     def _segment_rows(batch: int) -> int | None:
-        """Rows per LoRA segment in this bucket: one M tile of the decode kernels, whose grids give each segment
-        one program, so that rows of one adapter spread over programs; the prefill config strides a segment's tiles
-        over programs of its own."""
-        config = lora_kernels.pick_config(batch)
-        return config.block_m if config.m_programs == 1 else None
+        return segment_rows(batch)
 
     # --- capture --------------------------------------------------------------------------------
 
@@ -222,6 +216,22 @@ class CudaGraphs:
         if batch > self.max_batch_size:  # a step that prefills samples at most max_batch_size rows
             hidden = hidden.index_select(0, self.static_sample)
         return self.model.lm_head(hidden)
+
+
+def segment_rows(batch: int) -> int | None:
+    """Rows per LoRA segment in a bucket of `batch` rows: one M tile of the decode kernels, whose grids give each
+    segment one program, so that rows of one adapter spread over programs; the prefill config strides a segment's
+    tiles over programs of its own."""
+    config = lora_kernels.pick_config(batch)
+    return config.block_m if config.m_programs == 1 else None
+
+
+def segment_cap(batch: int, max_batch_size: int, num_slots: int) -> int:
+    """The LoRA segments a bucket's kernels are launched for: one per adapter in the step, which has at most one per
+    request and one per slot of the pool, and one more per M tile where segments are capped. Every segment past the
+    step's own is a program that starts and exits: the fewer, the shorter the launch."""
+    rows = segment_rows(batch)
+    return min(batch, min(max_batch_size, num_slots) + (-(-batch // rows) if rows else 0))
 
 
 def fill_tables(tables: torch.Tensor, rows: list[list[int]]) -> None:

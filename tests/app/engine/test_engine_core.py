@@ -131,3 +131,16 @@ def test_graph_buckets_cover_decode_batches_then_step_tokens():
     assert graph_buckets(32, 512) == [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]
     assert graph_buckets(32, 0) == graph_buckets(32, 32) == [1, 2, 4, 8, 16, 24, 32]
     assert graph_buckets(64, 100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 100]
+
+
+def test_lora_segments_of_a_bucket_are_capped_by_requests_slots_and_tiles():
+    from app.engine.cuda_graphs import segment_cap
+    from app.model.lora import segments
+
+    assert segment_cap(128, 128, 4096) == 128  # one segment per row at most
+    assert segment_cap(128, 128, 32) == 32 + 8  # 32 adapters at most, and one more per 16-row tile
+    assert segment_cap(32, 256, 8) == 8 + 2
+    assert segment_cap(512, 128, 4096) == 128  # a prefill bucket: one segment per request's adapter
+    slots = [row % 32 for row in range(96)] + [0] * 32  # 32 adapters, one of them on 35 rows: in 3 tiles
+    order, starts, seg_slots = segments(slots, 128, segment_cap(128, 128, 32), max_rows=16)
+    assert sum(slot >= 0 for slot in seg_slots) == 31 + 3

@@ -93,7 +93,7 @@ def check_base_model(args: AppArgs) -> PretrainedConfig:
         # config that does not shard never needs: Serve imports this module in a new process for every deploy.
         from app.engine.workers import check_tensor_parallel_config
 
-        check_tensor_parallel_config(args.engine_config(), config, fp8_checkpoint=fp8_scheme(config)[0] is not None)
+        check_tensor_parallel_config(args.engine_config(), config)
     return config
 
 

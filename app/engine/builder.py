@@ -65,7 +65,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
     workers, plan = None, None
     if config.tensor_parallel_size > 1:
-        _check_tensor_parallel(config, model_config, checkpoint)
+        _check_tensor_parallel(config, model_config)
         workers = Workers.start(config)  # the other ranks load their shards meanwhile
         model, plan = load_shard(Path(config.base_model), model_config, arch,
                                  TensorParallel(0, config.tensor_parallel_size), dtype, device)
@@ -73,10 +73,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
         model = AutoModelForCausalLM.from_pretrained(
             config.base_model, config=model_config if checkpoint is None else dense_config(model_config),
             dtype=dtype).to(device).eval()
-    if checkpoint is not None:
-        count = load_fp8_linears(model, Path(config.base_model), arch.target_shapes(model.config), checkpoint)
-        log.info("loaded %d FP8 linear projections (a scale per %s) from the checkpoint", count,
-                 checkpoint.weight_strategy)
+    if checkpoint is not None:  # a rank's shard of it loads as FP8 in load_shard
+        if plan is None:
+            load_fp8_linears(model, Path(config.base_model), arch.target_shapes(model.config), checkpoint)
+        log.info("serving the checkpoint's FP8 linear projections (a scale per %s)", checkpoint.weight_strategy)
     elif config.quantization == "fp8":
         count = quantize_linears(model, arch.target_shapes(model.config))
         log.info("quantized %d linear projections to FP8 (a scale per output channel)", count)
@@ -117,8 +117,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
                        GrammarCompiler(tokenizer, model.config.vocab_size, eos_ids), lora, residency, blocks, runner)
 
 
-def _check_tensor_parallel(config: EngineConfig, model_config: PretrainedConfig, checkpoint) -> None:
-    check_tensor_parallel_config(config, model_config, fp8_checkpoint=checkpoint is not None)
+def _check_tensor_parallel(config: EngineConfig, model_config: PretrainedConfig) -> None:
+    check_tensor_parallel_config(config, model_config)
     size = config.tensor_parallel_size
     if config.torch_device().type == "cuda" and torch.cuda.device_count() < size:
         raise UnsupportedModel(f"tensor_parallel_size {size} needs {size} GPUs; this process sees "

@@ -44,11 +44,12 @@ from app.engine.kv_blocks import BlockManager
 from app.engine.model_runner import ModelRunner
 from app.engine.step_inputs import StepInputs
 from app.adapters.uris import is_remote
-from app.model.architectures import UnsupportedModel, check_supported
+from app.model.architectures import check_supported
 from app.model.attention import PagedKVCache
 from app.adapters.targets import pool_shapes, target_shapes
 from app.model.lora import LoRASlots
 from app.model.fp8 import quantize_linears
+from app.model.fp8_checkpoint import fp8_scheme
 from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_parallel, load_shard
 from prefetch.layout import PageLayout
 
@@ -92,15 +93,10 @@ class Sizes:
     max_step_tokens: int
 
 
-def check_tensor_parallel_config(config: EngineConfig, model_config, fp8_checkpoint: bool) -> None:
-    """Refuses, by name, a tensor_parallel_size this model and these settings cannot be served with."""
-    size = config.tensor_parallel_size
-    if size == 1:
-        return
-    check_tensor_parallel(model_config, size)
-    if fp8_checkpoint:
-        raise UnsupportedModel(f"tensor_parallel_size {size} with an FP8 checkpoint is not served; use "
-                               "tensor_parallel_size 1 for it, or its bf16 weights with quantization: fp8")
+def check_tensor_parallel_config(config: EngineConfig, model_config) -> None:
+    """Refuses, by name, a tensor_parallel_size this model cannot be served with."""
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
 
 
 def adapter_registry(config: EngineConfig, model_config) -> AdapterRegistry:
@@ -308,7 +304,7 @@ def worker_main(rank: int, init: str, config: EngineConfig) -> None:
         registry = adapter_registry(config, model_config)
         arch = check_supported(model_config)
         model, plan = load_shard(Path(config.base_model), model_config, arch, TensorParallel(rank, size), dtype, device)
-        if config.quantization == "fp8":  # as rank 0 quantizes its shard (app/engine/builder.py)
+        if config.quantization == "fp8" and fp8_scheme(model_config)[0] is None:  # as rank 0's (app/engine/builder.py)
             quantize_linears(model, arch.target_shapes(model.config))
             if device.type == "cuda":
                 torch.cuda.empty_cache()

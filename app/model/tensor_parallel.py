@@ -38,8 +38,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from app.model.architectures import Architecture, Dims, UnsupportedModel, head_dim
-from app.model.fp8 import Fp8Linear, Fp8Weight, fp8_linear
-from app.model.fp8_checkpoint import fp8_scheme, tensor_files
+from app.model.fp8 import FP8, Fp8Linear, Fp8Weight, fp8_linear
+from app.model.fp8_checkpoint import dense_config, fp8_scheme, tensor_files
 
 try:
     from transformers.initialization import no_init_weights
@@ -202,29 +202,55 @@ def shard_model(model: nn.Module, arch: Architecture, tp: TensorParallel) -> Sha
 def load_shard(folder: Path, config: PretrainedConfig, arch: Architecture, tp: TensorParallel,
                dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ShardPlan]:
     """The model of rank tp.rank, built at its local sizes on `device`, with only its shard of each projection read
-    from the checkpoint in `folder`."""
-    if fp8_scheme(config)[0] is not None:
-        raise UnsupportedModel(f"tensor_parallel_size {tp.size} with an FP8 checkpoint is not served; serve it with "
-                               "tensor_parallel_size 1, or its bf16 weights with quantization: fp8")
+    from the checkpoint in `folder`; an FP8 checkpoint's projections as they are published (their FP8 weights and
+    scales, never dequantized)."""
+    scheme, _ = fp8_scheme(config)
     plan = ShardPlan(arch, config, tp)
-    local = local_config(config, plan)
+    local = local_config(config if scheme is None else dense_config(config), plan)
     with no_init_weights(), torch.device(device):
         model = AutoModelForCausalLM.from_config(local, dtype=dtype)
+    fp8_paths = {path for path in arch.target_shapes(config) if scheme is not None and scheme.quantized(path)}
     files = tensor_files(Path(folder))
     tied = {"lm_head.weight"} if getattr(local, "tie_word_embeddings", False) else set()
     with contextlib.ExitStack() as stack, torch.no_grad():
         opened = {file: stack.enter_context(safe_open(file, "pt")) for file in set(files.values())}
-        for name, tensor in model.state_dict().items():
+
+        def tensor_slice(name: str):
             if name not in files:
-                if name in tied:
-                    continue
                 raise ValueError(f"the checkpoint in {folder} has no tensor {name}")
+            return opened[files[name]].get_slice(name)
+
+        for name, tensor in model.state_dict().items():
             module, _, leaf = name.rpartition(".")
-            tensor.copy_(_read_shard(opened[files[name]].get_slice(name), plan.splits.get(module), leaf))
-    use_row_parallel(model, plan)
+            if name in tied or (module in fp8_paths and leaf == "weight"):
+                continue
+            tensor.copy_(_read_shard(tensor_slice(name), plan.splits.get(module), leaf))
+        use_row_parallel(model, plan)
+        for path in fp8_paths:
+            _use_fp8_shard(model, path, plan, tensor_slice(f"{path}.weight"), tensor_slice(f"{path}.weight_scale"))
     if tied:
         model.tie_weights()
     return model.eval(), plan
+
+
+def _use_fp8_shard(model: nn.Module, path: str, plan: ShardPlan, weight_slice, scale_slice) -> None:
+    """The projection at `path` as its shard of an FP8 checkpoint's weight: a column-parallel rank's rows and their
+    scales, a row-parallel rank's columns and every row's scale (a scale per tensor serves every row)."""
+    split, dense = plan.splits[path], model.get_submodule(path)
+    q = _read_shard(weight_slice, split, "weight")
+    if q.dtype != FP8 or q.shape != dense.weight.shape:
+        raise ValueError(f"{path}.weight's shard is {q.dtype} {list(q.shape)}; float8_e4m3fn "
+                         f"{list(dense.weight.shape)} was expected")
+    scale = scale_slice[:].float().flatten()
+    rows = plan.global_shapes[path][1]
+    if scale.numel() not in (1, rows):
+        raise ValueError(f"{path}.weight_scale has {scale.numel()} values; 1 or {rows} were expected")
+    scale = scale.expand(rows)
+    if split.kind == "column":
+        scale = scale[split.index]
+    weight = Fp8Weight(q.to(dense.weight.device), scale.contiguous().to(dense.weight.device))
+    model.set_submodule(path, RowParallelFp8Linear(weight, dense.bias, plan.tp) if split.kind == "row"
+                        else Fp8Linear(weight, dense.bias))
 
 
 def _read_shard(tensor_slice, split: Split | None, leaf: str) -> torch.Tensor:

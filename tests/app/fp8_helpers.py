@@ -39,7 +39,8 @@ def write_fp8_checkpoint(dense: Path, out: Path, strategy: str = "channel") -> P
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(str(out))
-    AutoTokenizer.from_pretrained(dense).save_pretrained(out)
+    if (dense / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(dense).save_pretrained(out)
     return out
 
 

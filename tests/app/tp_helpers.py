@@ -14,15 +14,17 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from app.adapters.targets import target_shapes
 from app.engine.workers import shard_parts
 from app.model.architectures import check_supported
 from app.model.fp8 import Fp8Linear, Fp8Weight, fp8_linear_reference, quantize_linears
+from app.model.fp8_checkpoint import fp8_scheme, load_fp8_linears
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 from app.model.tensor_parallel import ShardPlan, TensorParallel, load_shard, shard_model
 from arch_helpers import case_config
+from fp8_helpers import write_fp8_checkpoint
 from prefetch.layout import PageLayout
 
 RANK, ALPHA, PROMPT = 4, 8, 7
@@ -56,20 +58,23 @@ def build(name: str, overrides: dict):
 def logits_errors(name: str, overrides: dict, tp: TensorParallel, how: str, folder: Path) -> dict:
     """Largest differences from the unsharded logits: the base row against the base model, the adapter row
     against PEFT. `how` the rank gets its shard: "shard" shards the whole model (shard_model), "checkpoint" reads
-    its shard from the model saved in `folder` (load_shard), "fp8" shards the whole model and quantizes the shard
-    as `quantization: fp8` does, against the unsharded model quantized the same way (both through our LoRA layers,
-    since PEFT does not wrap FP8 linears)."""
+    its shard from the model `save_checkpoints` saved in `folder` (load_shard), "fp8" shards the whole model and
+    quantizes the shard as `quantization: fp8` does, "fp8-checkpoint" reads its shard of the model saved as an FP8
+    checkpoint; the FP8
+    ones against the unsharded model in the FP8 arithmetic of the ranks (fp8_reference), both through our LoRA
+    layers, since PEFT does not wrap FP8 linears."""
     model, peft, adapter, arch = build(name, overrides)
     ids = torch.randint(3, 1000, (2, PROMPT), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         base_logits, peft_logits = model(ids).logits, peft(ids).logits
     if how == "fp8":
         base_logits, peft_logits = fp8_reference(copy.deepcopy(model), arch, tp.size, adapter, ids)
-    if how == "checkpoint":
-        if tp.rank == 0:  # every rank built the same model; transformers saves on rank 0 alone
-            model.save_pretrained(folder)
-        dist.barrier()
-        model, plan = load_shard(folder, model.config, arch, tp, torch.float32, torch.device("cpu"))
+    elif how == "fp8-checkpoint":
+        base_logits, peft_logits = fp8_reference(copy.deepcopy(model), arch, tp.size, adapter, ids, folder / "fp8")
+    if how in ("checkpoint", "fp8-checkpoint"):
+        saved = folder / ("dense" if how == "checkpoint" else "fp8")
+        config = model.config if how == "checkpoint" else AutoConfig.from_pretrained(saved)  # with its FP8 scheme
+        model, plan = load_shard(saved, config, arch, tp, torch.float32, torch.device("cpu"))
         model.config._attn_implementation = "eager"
     else:
         plan = shard_model(model, arch, tp)
@@ -83,31 +88,40 @@ def logits_errors(name: str, overrides: dict, tp: TensorParallel, how: str, fold
 
 
 class SplitRowFp8(nn.Module):
-    """A row-parallel projection in FP8 as `size` ranks compute it, in one process: each rank's input columns
-    quantized on their own (the weight per output channel, the activation per token), the products summed, then
-    the bias."""
+    """A row-parallel projection in FP8 as its ranks compute it, in one process: each rank's input columns times its
+    FP8 weight columns (each rank's activation quantized per token on its own), the products summed, then the
+    bias. parts: each rank's (input columns, Fp8Weight)."""
 
-    def __init__(self, linear: nn.Linear, indices: list[torch.Tensor]):
+    def __init__(self, parts: list[tuple[torch.Tensor, Fp8Weight]], bias: torch.Tensor | None):
         super().__init__()
-        self.parts = [(index, Fp8Weight.quantize(linear.weight[:, index])) for index in indices]
-        self.bias = linear.bias
+        self.parts, self.bias = parts, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = sum(fp8_linear_reference(x[..., index], weight) for index, weight in self.parts)
         return y if self.bias is None else y + self.bias
 
 
-def fp8_reference(model, arch, size: int, adapter: dict, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of the whole model in the FP8 arithmetic of `size` ranks (column-parallel projections as
-    `quantize_linears` makes them, row-parallel ones as SplitRowFp8), with the adapter in float32 beside each
-    projection: the base model's and the adapter's (each row of `ids`)."""
+def fp8_reference(model, arch, size: int, adapter: dict, ids: torch.Tensor,
+                  checkpoint: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the whole model in the FP8 arithmetic of `size` ranks, with the adapter in float32 beside each
+    projection: the base model's and the adapter's (each row of `ids`). The FP8 weights are the checkpoint's, or
+    else quantized as `quantize_linears` quantizes a rank's shard: a column-parallel one as the whole, a
+    row-parallel one over each rank's input columns."""
+    paths = arch.target_shapes(model.config)
+    if checkpoint is not None:
+        load_fp8_linears(model, checkpoint, paths, fp8_scheme(AutoConfig.from_pretrained(checkpoint))[0])
     plans = [ShardPlan(arch, model.config, TensorParallel(rank, size)) for rank in range(size)]
     for path, split in plans[0].splits.items():
         linear = model.get_submodule(path)
+        whole = linear.fp8 if isinstance(linear, Fp8Linear) else None
         if split.kind == "column":
-            model.set_submodule(path, Fp8Linear.from_linear(linear))
-        else:
-            model.set_submodule(path, SplitRowFp8(linear, [plan.splits[path].index for plan in plans]))
+            if whole is None:
+                model.set_submodule(path, Fp8Linear.from_linear(linear))
+            continue
+        indices = [plan.splits[path].index for plan in plans]
+        parts = [(index, Fp8Weight(whole.q[:, index], whole.scale) if whole is not None
+                  else Fp8Weight.quantize(linear.weight[:, index])) for index in indices]
+        model.set_submodule(path, SplitRowFp8(parts, linear.bias))
     with torch.no_grad():
         base = model(ids).logits
         for path, (a, b) in adapter.items():
@@ -129,6 +143,18 @@ def lora_logits(model, plan, adapter: dict, ids: torch.Tensor) -> torch.Tensor:
     lora.ctx.meta = LoRAMetadata(*(torch.tensor(v, dtype=torch.int32) for v in (order, starts, slots)))
     with torch.no_grad():
         return model(ids).logits
+
+
+def save_checkpoints(cases: list, out: str) -> None:
+    """The checkpoints the cases read, saved before the workers start (compressed-tensors' writer runs collectives
+    of its own where a process group exists): the model each rank builds, dense, and for "fp8-checkpoint" also in
+    compressed-tensors' FP8 format."""
+    for case, name, overrides, how in cases:
+        if how in ("checkpoint", "fp8-checkpoint"):
+            folder = Path(f"{out}-{case}")
+            build(name, overrides)[0].save_pretrained(folder / "dense")
+            if how == "fp8-checkpoint":
+                write_fp8_checkpoint(folder / "dense", folder / "fp8")
 
 
 def worker(rank: int, size: int, init_file: str, cases: list, out: str) -> None:

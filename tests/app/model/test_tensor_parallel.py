@@ -10,19 +10,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from app.engine.config import EngineConfig
-from app.engine.workers import check_tensor_parallel_config
 from app.model.architectures import UnsupportedModel, check_supported
 from app.model.tensor_parallel import (RowParallelLinear, ShardPlan, TensorParallel, check_tensor_parallel, load_shard,
                                        shard_model)
 from arch_helpers import case_config
-from tp_helpers import build, worker
+from tp_helpers import build, save_checkpoints, worker
 
 # case -> (architecture case, config overrides, how): q/k/v and MLP biases (the row-parallel down_proj's bias is
 # added once), Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2's soft-capping and windows, Phi-3's fused projections,
 # and one key/value head replicated over both ranks; `how` the workers get their shards (tp_helpers.logits_errors):
-# shard the whole model, read them from a saved checkpoint, or shard and quantize them to FP8 (whose reference is the
-# FP8 arithmetic of two ranks in one process: a row-parallel projection's ranks quantize their columns on their own).
+# shard the whole model, read them from a saved checkpoint, shard and quantize them to FP8, or read them from an FP8
+# checkpoint (compressed-tensors' format); the FP8 ones' reference is the FP8 arithmetic of two ranks in one process.
 CASES = {
     "llama-biases": ("llama-biases", dict(mlp_bias=True), "checkpoint"),
     "llama-one-kv-head": ("llama", dict(num_key_value_heads=1), "checkpoint"),
@@ -32,6 +30,8 @@ CASES = {
     "phi3": ("phi3", {}, "checkpoint"),
     "llama-biases-fp8": ("llama-biases", dict(mlp_bias=True), "fp8"),
     "phi3-fp8": ("phi3", {}, "fp8"),
+    "llama-biases-fp8-checkpoint": ("llama-biases", dict(mlp_bias=True), "fp8-checkpoint"),
+    "phi3-fp8-checkpoint": ("phi3", {}, "fp8-checkpoint"),
 }
 
 
@@ -83,14 +83,6 @@ def test_a_size_that_cannot_shard_the_model_is_refused_by_name(heads, kv_heads, 
         check_tensor_parallel(config, size)
 
 
-def test_fp8_weights_shard_when_quantized_as_they_load_and_an_fp8_checkpoint_is_refused_by_name():
-    config = EngineConfig(base_model="base", tensor_parallel_size=2, quantization="fp8")
-    model_config = case_config("llama")
-    check_tensor_parallel_config(config, model_config, fp8_checkpoint=False)
-    with pytest.raises(UnsupportedModel, match="tensor_parallel_size 2 with an FP8 checkpoint is not served"):
-        check_tensor_parallel_config(config, model_config, fp8_checkpoint=True)
-
-
 @pytest.mark.parametrize("case", ["llama-biases", "llama-one-kv-head", "phi3"])
 def test_a_worker_reads_only_its_shard_and_holds_what_sharding_the_whole_model_gives(case, tmp_path):
     name, overrides, _ = CASES[case]
@@ -115,6 +107,7 @@ def test_a_worker_reads_only_its_shard_and_holds_what_sharding_the_whole_model_g
 def two_workers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp")
     cases = [(case, *spec) for case, spec in CASES.items()]
+    save_checkpoints(cases, str(folder / "result"))
     mp.spawn(worker, args=(2, str(folder / "init"), cases, str(folder / "result")), nprocs=2, join=True)
     return [json.loads((folder / f"result.{rank}").read_text()) for rank in range(2)]
 

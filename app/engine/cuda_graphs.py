@@ -111,7 +111,7 @@ class CudaGraphs:
         pending inputs from `previous`, the sampled tokens of the step before."""
         pad = [0] * (batch - inputs.num_decode)
         s_cap = self._segment_cap(batch)
-        order, starts, slots = segments(inputs.token_slots, batch, s_cap, self._segment_rows(batch))
+        order, starts, slots = segments(inputs.token_slots, batch, s_cap, segment_rows(batch))
         sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
         pending_at, pending_rows = [i for i, _ in inputs.pending], [row for _, row in inputs.pending]
         values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
@@ -145,10 +145,6 @@ class CudaGraphs:
 
     def _segment_cap(self, batch: int) -> int:
         return segment_cap(batch, self.max_batch_size, self.lora.num_slots)
-
-    @staticmethod
-    def _segment_rows(batch: int) -> int | None:
-        return segment_rows(batch)
 
     # --- capture --------------------------------------------------------------------------------
 

@@ -146,9 +146,7 @@ def _linear_op(x: torch.Tensor, handle: torch.Tensor, position: int, width: int)
     (the group's whole width), a member's position that member's alone; `width` is the output's. The group is
     named by a tensor, not an int: torch.compile guards on an int's value, and would compile each layer anew."""
     group = _GROUPS[int(handle)]
-    if position < 0:
-        return group.ctx.linear(x, group.weight, group.bias, group.group)
-    return group._run_alone(position, x)
+    return group._run_whole(x) if position < 0 else group._run_alone(position, x)
 
 
 @_linear_op.register_fake
@@ -160,8 +158,8 @@ class LinearGroup:
     """Linears that read the same input, run as one: one GEMM over their concatenated weights (as vLLM's
     fused QKV and gate/up projections), then one LoRA shrink and one expand launch for the members that
     adapters target, instead of a GEMM and two launches per linear. The first member's call computes every
-    member's output; the others' calls, which the model makes next with the same input, return theirs.
-    A member called without that (another call order) computes its own output alone.
+    member's output; the others' calls, which the model makes next with the same input, slice theirs from it.
+    A member called without that (another call order, another input) computes its own output alone.
 
     Under torch.compile the group's work is one opaque op (`_linear_op`) whose output the members slice, so the
     compiled graph does not break at each member's call: the elementwise work between them (SiLU of gate and its
@@ -196,47 +194,33 @@ class LinearGroup:
             if lora else None
         self.alone = {p: kernels.Group.single(A, BT, module) for p, (module, A, BT) in lora.items()}
         self.columns = columns
-        self.pending: dict[int, tuple[tuple, torch.Tensor]] = {}  # position -> (input key, output)
-        self.traced: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, output) of a traced first call
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, whole output) of the first member's call
         handle = next(_HANDLES)
         self.handle = torch.tensor(handle)  # [] int64, on the host
         _GROUPS[handle] = self
 
-    @staticmethod
-    def _key(x: torch.Tensor) -> tuple:
-        return x.data_ptr(), x.shape, x.stride()
-
     def output(self, position: int, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self._traced_output(position, x)
-        if len(self.linears) == 1:
-            return self._run_alone(0, x)
-        if position == 0:
-            y = self.ctx.linear(x, self.weight, self.bias, self.group)
-            outputs = y.split(self.widths, dim=-1)
-            key = self._key(x)
-            self.pending = {p: (key, out) for p, out in enumerate(outputs) if p > 0}
-            return outputs[0]
-        pending = self.pending.pop(position, None)
-        if pending is not None and pending[0] == self._key(x):
-            return pending[1]
+        """Member `position`'s output for input x. The first member's call leaves (input, whole output) for the
+        others, and the last member's call clears it, so that no activation outlives the forward. Under
+        torch.compile, which traces this, the work runs as `_linear_op`."""
+        last = len(self.widths) - 1
+        compiling = torch.compiler.is_compiling()
+        if position == 0 and last > 0:
+            y = torch.ops.lora_serve.linear(x, self.handle, -1, sum(self.widths)) if compiling else self._run_whole(x)
+            self.held = (x, y)
+            return y[..., : self.widths[0]]
+        held = self.held
+        if position > 0 and held is not None and held[0] is x:
+            if position == last:
+                self.held = None
+            start = self.columns[position]
+            return held[1][..., start: start + self.widths[position]]
+        if compiling:
+            return torch.ops.lora_serve.linear(x, self.handle, position, self.widths[position])
         return self._run_alone(position, x)
 
-    def _traced_output(self, position: int, x: torch.Tensor) -> torch.Tensor:
-        """`output` in the form torch.compile traces: the first member's call leaves (input, output) for the
-        others, and the last member's call clears it, so that no activation outlives the compiled graph."""
-        last = len(self.widths) - 1
-        if position == 0 and last > 0:
-            y = torch.ops.lora_serve.linear(x, self.handle, -1, sum(self.widths))
-            self.traced = (x, y)
-            return y[..., : self.widths[0]]
-        traced = self.traced
-        if position > 0 and traced is not None and traced[0] is x:
-            if position == last:
-                self.traced = None
-            start = self.columns[position]
-            return traced[1][..., start: start + self.widths[position]]
-        return torch.ops.lora_serve.linear(x, self.handle, position, self.widths[position])
+    def _run_whole(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.linear(x, self.weight, self.bias, self.group)
 
     def _run_alone(self, position: int, x: torch.Tensor) -> torch.Tensor:
         linear = self.linears[position]

@@ -189,7 +189,7 @@ def test_compiled_groups_trace_whole_and_equal_the_eager_forward():
         torch._dynamo.reset()
         got = torch.compile(model.model, backend="eager", dynamic=True)(input_ids=ids).last_hidden_state
     torch.testing.assert_close(got, want)
-    assert all(group.traced is None for group in lora.groups)
+    assert all(group.held is None for group in lora.groups)
 
 
 def test_compiled_layers_share_one_compilation():

@@ -44,6 +44,14 @@ def write_fp8_checkpoint(dense: Path, out: Path, strategy: str = "channel") -> P
     return out
 
 
+def ranks_fp8_linear(x: torch.Tensor, parts, bias: torch.Tensor | None) -> torch.Tensor:
+    """A projection in FP8 as its tensor-parallel ranks compute it, in float32: each rank's input columns times its
+    FP8 weight (its activation quantized per token on its own), the products summed, then the bias. parts: each
+    rank's (input columns, Fp8Weight); one part (slice(None), the whole weight) is the unsharded projection."""
+    y = sum(fp8_linear_reference(x[..., index], weight) for index, weight in parts)
+    return y if bias is None else y + bias.float()
+
+
 def fp8_peft_reference(root: Path, adapter: str | None, prompt: str, max_new: int, ranks: int = 1):
     """The FP8 base through PEFT's adapter arithmetic: each projection's base output is fp8_linear_reference's,
     computed from its input as the engine's GEMM sees it, and PEFT adds the adapter's from the same input. With
@@ -63,9 +71,8 @@ def fp8_peft_reference(root: Path, adapter: str | None, prompt: str, max_new: in
         else:
             indices = [plan.splits[path].index.cuda() for plan in plans]
             parts = [(index, Fp8Weight.quantize(linear.weight[:, index])) for index in indices]
-        linear.register_forward_hook(lambda module, args, out, parts=parts: (
-            sum(fp8_linear_reference(args[0].float()[..., index], weight) for index, weight in parts)
-            + (0 if module.bias is None else module.bias.float())).to(out.dtype))
+        linear.register_forward_hook(lambda module, args, out, parts=parts:
+                                     ranks_fp8_linear(args[0].float(), parts, module.bias).to(out.dtype))
     if adapter is not None:
         model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
     inputs = tokenizer(prompt, return_tensors="pt").to("cuda")

@@ -19,12 +19,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from app.adapters.targets import target_shapes
 from app.engine.workers import shard_parts
 from app.model.architectures import check_supported
-from app.model.fp8 import Fp8Linear, Fp8Weight, fp8_linear_reference, quantize_linears
+from app.model.fp8 import Fp8Linear, Fp8Weight, quantize_linears
 from app.model.fp8_checkpoint import fp8_scheme, load_fp8_linears
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 from app.model.tensor_parallel import ShardPlan, TensorParallel, load_shard, shard_model
 from arch_helpers import case_config
-from fp8_helpers import write_fp8_checkpoint
+from fp8_helpers import ranks_fp8_linear, write_fp8_checkpoint
 from prefetch.layout import PageLayout
 
 RANK, ALPHA, PROMPT = 4, 8, 7
@@ -88,17 +88,14 @@ def logits_errors(name: str, overrides: dict, tp: TensorParallel, how: str, fold
 
 
 class SplitRowFp8(nn.Module):
-    """A row-parallel projection in FP8 as its ranks compute it, in one process: each rank's input columns times its
-    FP8 weight columns (each rank's activation quantized per token on its own), the products summed, then the
-    bias. parts: each rank's (input columns, Fp8Weight)."""
+    """A row-parallel projection in FP8 as its ranks compute it, in one process (ranks_fp8_linear)."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, Fp8Weight]], bias: torch.Tensor | None):
         super().__init__()
         self.parts, self.bias = parts, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = sum(fp8_linear_reference(x[..., index], weight) for index, weight in self.parts)
-        return y if self.bias is None else y + self.bias
+        return ranks_fp8_linear(x, self.parts, self.bias)
 
 
 def fp8_reference(model, arch, size: int, adapter: dict, ids: torch.Tensor,

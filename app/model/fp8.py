@@ -78,20 +78,25 @@ class Fp8Weight:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
 
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias in x's dtype, with x quantized per token and W per output channel: one cuBLASLt FP8 GEMM."""
+Quantized = tuple[torch.Tensor, torch.Tensor]  # quantize_rows(x.reshape(-1, in_features)), computed by the caller
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+               quantized: Quantized | None = None) -> torch.Tensor:
+    """x @ W.T + bias in x's dtype, with x quantized per token and W per output channel: one cuBLASLt FP8 GEMM.
+    `quantized`: x's rows already quantized (the compiled decoder quantizes them in the kernel that computes x)."""
     if x.device.type != "cuda":
-        return fp8_linear_reference(x, weight, bias)
+        return fp8_linear_reference(x, weight, bias, quantized)
     x2 = x.reshape(-1, x.shape[-1])
-    if triton is None:
-        q, scale = quantize_rows(x2)
+    if quantized is not None:
+        q, scale = quantized
     else:
-        q, scale = quantize_rows_fused(x2)
-        if x2.shape[0] <= SMALL_BATCH_ROWS:
-            # Unit scales: the GEMM sums q_x * q_w in float32, rescale_rows_columns applies both scales and the bias.
-            unit = _unit_scale(x.device)
-            acc = torch._scaled_mm(q, weight.q.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
-            return rescale_rows_columns(acc, scale, weight.scale, bias, x.dtype).view(*x.shape[:-1], -1)
+        q, scale = quantize_rows(x2) if triton is None else quantize_rows_fused(x2)
+    if triton is not None and x2.shape[0] <= SMALL_BATCH_ROWS:
+        # Unit scales: the GEMM sums q_x * q_w in float32, rescale_rows_columns applies both scales and the bias.
+        unit = _unit_scale(x.device)
+        acc = torch._scaled_mm(q, weight.q.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+        return rescale_rows_columns(acc, scale, weight.scale, bias, x.dtype).view(*x.shape[:-1], -1)
     # Row-wise scales: scale_a [T, 1] per token, scale_b [1, out] per output channel; weight.q.t() is the
     # column-major operand cuBLASLt wants. The bias is added apart: not every build takes one with row-wise scales.
     y = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale[None, :], out_dtype=x.dtype)
@@ -110,20 +115,21 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return _UNIT_SCALES[device]
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+                         quantized: Quantized | None = None) -> torch.Tensor:
     """fp8_linear's arithmetic in float32: the quantized activation and weight, dequantized, multiplied."""
-    x2 = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_rows(x2)
+    q, scale = quantized if quantized is not None else quantize_rows(x.reshape(-1, x.shape[-1]))
     y = (q.float() * scale) @ weight.dequantize().t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], weight.q.shape[0])
 
 
-def base_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The base GEMM of a linear, whichever form its weight has."""
+def base_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
+                quantized: Quantized | None = None) -> torch.Tensor:
+    """The base GEMM of a linear, whichever form its weight has (`quantized`: an FP8 weight's input, quantized)."""
     if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, quantized)
     return nn.functional.linear(x, weight, bias)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from app.model.architectures import UnsupportedModel, check_supported
-from app.model.fp8 import Fp8Linear, Fp8Weight, base_linear
+from app.model.fp8 import Fp8Linear, Fp8Weight, Quantized, base_linear, quantize_rows
 from app.model.tensor_parallel import RowParallel, RowParallelFp8Linear, RowParallelLinear
 from app.model.kernels import lora as kernels
 from prefetch.layout import PageLayout
@@ -103,9 +103,9 @@ class LoRAContext:
         self.overlap = False  # the shrink beside the GEMM, on side_stream: set while decode graphs are captured
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
-               group: kernels.Group | None) -> torch.Tensor:
-        """F.linear(x, weight, bias) (an FP8 GEMM for an FP8 weight) plus every member's LoRA of x on its columns of
-        the output.
+               group: kernels.Group | None, quantized: Quantized | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) (an FP8 GEMM for an FP8 weight, over `quantized` where given) plus every
+        member's LoRA of x on its columns of the output.
 
         While the model runner captures its decode graphs (`overlap`), the shrink, which reads only x, runs
         on a side stream beside the GEMM (it fills the GEMM's idle SMs and hides its chain of dependent loads
@@ -115,22 +115,22 @@ class LoRAContext:
         one stream: there the fork and join cost host time."""
         meta = self.meta
         if group is None or meta is None:
-            return base_linear(x, weight, bias)
+            return base_linear(x, weight, bias, quantized)
         x2 = x.reshape(-1, x.shape[-1])
         tables = (self.slot_ranks, self.page_table, meta.token_order, meta.seg_starts, meta.seg_slots)
         if not self.use_kernel:
-            y = base_linear(x, weight, bias)
+            y = base_linear(x, weight, bias, quantized)
             kernels.lora_group_reference(y.view(-1, y.shape[-1]), x2, group, self.scales, *tables)
             return y
         if not self.overlap:
-            y = base_linear(x, weight, bias)
+            y = base_linear(x, weight, bias, quantized)
             kernels.lora_group_apply(y.view(-1, y.shape[-1]), x2, group, self.scales, *tables, self.workspace)
             return y
         main = torch.cuda.current_stream()
         self.side_stream.wait_stream(main)
         with torch.cuda.stream(self.side_stream):
             splits = kernels.lora_shrink(x2, group, *tables, self.workspace)
-        y = base_linear(x, weight, bias)
+        y = base_linear(x, weight, bias, quantized)
         main.wait_stream(self.side_stream)
         kernels.lora_expand(y.view(-1, y.shape[-1]), group, self.scales, *tables, self.workspace, splits)
         return y
@@ -141,16 +141,20 @@ _HANDLES = itertools.count()
 
 
 @torch.library.custom_op("lora_serve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, handle: torch.Tensor, position: int, width: int) -> torch.Tensor:
+def _linear_op(x: torch.Tensor, handle: torch.Tensor, position: int, width: int, xq: torch.Tensor | None,
+               x_scale: torch.Tensor | None) -> torch.Tensor:
     """A LinearGroup's GEMM and LoRA as one op, opaque to torch.compile: position -1 gives every member's output
     (the group's whole width), a member's position that member's alone; `width` is the output's. The group is
-    named by a tensor, not an int: torch.compile guards on an int's value, and would compile each layer anew."""
+    named by a tensor, not an int: torch.compile guards on an int's value, and would compile each layer anew.
+    For FP8 weights, (xq, x_scale) is x quantized per token (`quantize_rows`), else None."""
     group = _GROUPS[int(handle)]
-    return group._run_whole(x) if position < 0 else group._run_alone(position, x)
+    quantized = None if xq is None else (xq, x_scale)
+    return group._run_whole(x, quantized) if position < 0 else group._run_alone(position, x, quantized)
 
 
 @_linear_op.register_fake
-def _(x: torch.Tensor, handle: torch.Tensor, position: int, width: int) -> torch.Tensor:
+def _(x: torch.Tensor, handle: torch.Tensor, position: int, width: int, xq: torch.Tensor | None,
+      x_scale: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], width)
 
 
@@ -163,7 +167,9 @@ class LinearGroup:
 
     Under torch.compile the group's work is one opaque op (`_linear_op`) whose output the members slice, so the
     compiled graph does not break at each member's call: the elementwise work between them (SiLU of gate and its
-    product with up, q's and k's RoPE) fuses into one kernel."""
+    product with up, q's and k's RoPE) fuses into one kernel. Over FP8 weights the graph also quantizes the op's
+    input per token (`quantize_rows`), which inductor fuses into the kernel that computes the input (the RMSNorm
+    before q/k/v and gate/up, SiLU·product before down): no kernel of its own, and x is read once for it."""
 
     def __init__(self, linears: list[nn.Linear], lora: dict[int, tuple[int, torch.Tensor, torch.Tensor]],
                  ctx: LoRAContext):
@@ -187,6 +193,7 @@ class LinearGroup:
                     linear.bias = nn.Parameter(b, requires_grad=False)
             self.weight, self.bias = weight, bias
         self.widths = widths
+        self.fp8 = isinstance(base_weight(linears[0]), Fp8Weight)
         columns = [sum(widths[:i]) for i in range(len(widths))]
         positions = sorted(lora)
         self.group = kernels.Group(tuple(lora[p][1] for p in positions), tuple(lora[p][2] for p in positions),
@@ -206,7 +213,7 @@ class LinearGroup:
         last = len(self.widths) - 1
         compiling = torch.compiler.is_compiling()
         if position == 0 and last > 0:
-            y = torch.ops.lora_serve.linear(x, self.handle, -1, sum(self.widths)) if compiling else self._run_whole(x)
+            y = self._traced(x, -1, sum(self.widths)) if compiling else self._run_whole(x)
             self.held = (x, y)
             return y[..., : self.widths[0]]
         held = self.held
@@ -216,17 +223,21 @@ class LinearGroup:
             start = self.columns[position]
             return held[1][..., start: start + self.widths[position]]
         if compiling:
-            return torch.ops.lora_serve.linear(x, self.handle, position, self.widths[position])
+            return self._traced(x, position, self.widths[position])
         return self._run_alone(position, x)
 
-    def _run_whole(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.linear(x, self.weight, self.bias, self.group)
+    def _traced(self, x: torch.Tensor, position: int, width: int) -> torch.Tensor:
+        xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1])) if self.fp8 else (None, None)
+        return torch.ops.lora_serve.linear(x, self.handle, position, width, xq, x_scale)
 
-    def _run_alone(self, position: int, x: torch.Tensor) -> torch.Tensor:
+    def _run_whole(self, x: torch.Tensor, quantized: Quantized | None = None) -> torch.Tensor:
+        return self.ctx.linear(x, self.weight, self.bias, self.group, quantized)
+
+    def _run_alone(self, position: int, x: torch.Tensor, quantized: Quantized | None = None) -> torch.Tensor:
         linear = self.linears[position]
         if isinstance(linear, RowParallel):  # this rank's base and LoRA shares, summed over ranks at once
-            return linear.reduce(self.ctx.linear(x, base_weight(linear), None, self.alone.get(position)))
-        return self.ctx.linear(x, base_weight(linear), linear.bias, self.alone.get(position))
+            return linear.reduce(self.ctx.linear(x, base_weight(linear), None, self.alone.get(position), quantized))
+        return self.ctx.linear(x, base_weight(linear), linear.bias, self.alone.get(position), quantized)
 
 
 class LoRALinear(nn.Module):

@@ -23,7 +23,8 @@
 # fields, FIELD=VALUE each), VARIANTS (ours once per '|'-separated set of further fields, each result named after
 # its set: VARIANTS="|overlap_steps=false" runs the defaults, then -overlap-steps-false; the summary counts the
 # last), VLLM_ADAPTERS (the adapter counts vLLM runs too; ADAPTERS), VLLM_ARGS (further LLM(...) keywords, KEY=VALUE
-# each), NOTE (kept in the results).
+# each), NAME_TAG (a suffix of both engines' result names: NAME_TAG=-fp8 ENGINE_ARGS=quantization=fp8
+# VLLM_ARGS=quantization=fp8 compares FP8 bases), NOTE (kept in the results).
 # Results: bench/results/<slug>-throughput-{ours,vllm}-c<concurrency>-a<adapters>.json and this call's table,
 # <slug>-throughput-vs-vllm.json, copied to $OUT (one tgz past 8 files) with vllm_compare.log (all output). Once
 # both calls' results are in bench/results here, `python -m bench.peers.compare <those files> --out-dir <dir>` makes
@@ -58,14 +59,14 @@ for c in ${CONCURRENCY:-32 128}; do
     for variant in "${variants[@]:-}"; do
       tag=${variant:+-${variant//[^a-z0-9]/-}}
       ours=(--engine ours --adapters "$a" --max-batch-size "$c"
-            --out "bench/results/$SLUG-throughput-ours-c$c-a$a$tag.json")
+            --out "bench/results/$SLUG-throughput-ours-c$c-a$a${NAME_TAG:-}$tag.json")
       for field in ${ENGINE_ARGS:-} $variant; do ours+=(--engine-arg "$field"); done
       stop_by=$(( $(date +%s) + deadline - SECONDS - 10 ))  # ours' timed run ends before the call's limit
       timed "ours c$c a$a ${variant:-}" "${OURS_MIN_S:-60}" python3 -m bench.engine.throughput "${common[@]}" \
         "${ours[@]}" --stop-by "$stop_by"
     done
     [[ " ${VLLM_ADAPTERS-${ADAPTERS:-0 32}} " == *" $a "* ]] || continue
-    vllm=(--adapters "$a" --max-batch-size "$c" --gpu-memory-utilization 0.85 --name "throughput-vllm-c$c-a$a")
+    vllm=(--adapters "$a" --max-batch-size "$c" --gpu-memory-utilization 0.85 --name "throughput-vllm-c$c-a$a${NAME_TAG:-}")
     for item in ${VLLM_ARGS:-}; do vllm+=(--engine-arg "$item"); done
     timed "vllm c$c a$a" "${VLLM_MIN_S:-120}" python3 -m bench.peers.vllm "${common[@]}" "${vllm[@]}"
   done

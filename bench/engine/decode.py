@@ -13,7 +13,9 @@ Floors: the model's weight bytes (every parameter once; a tied embedding counts 
 read-only sum over 8 GiB); LoRA: bytes of the distinct adapters read once / the same rate; K/V: the cache bytes
 the step's attention reads (each layer's window applied) / the same rate, beside the step and beside its
 attention alone (every layer's decode kernel in one graph). Prints one JSON line per measurement; --out writes
-them all. --dry-run builds the shape on the meta device (no GPU) and prints its bytes.
+them all. --dry-run builds the shape on the meta device (no GPU) and prints its bytes. `--quantization fp8`: the
+projections in FP8 as the engine's `quantization: fp8` loads them; the floor is then the FP8 model's bytes,
+`bf16_floor_ms` the same model's in bf16, and prefill is measured against an FP8 GEMM (torch._scaled_mm) too.
 
     python -m bench.engine.decode --batches 1 8 32 64 --context 512 --out bench/results/h100-x1-decode.json
     python -m bench.engine.decode --shape gemma-2-9b --dry-run
@@ -34,6 +36,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaFor
 
 from app.model.architectures import check_supported, head_dim
 from app.model.attention import PagedKVCache
+from app.model.fp8 import quantize_linears
 from app.model.kernels import attention as attention_kernels
 from app.model.kernels import lora as lora_kernels
 from app.engine.kv_blocks import BlockManager
@@ -92,7 +95,18 @@ def describe(config, model, args) -> dict:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a tied one once
+    """Every parameter once (parameters() yields a tied one once), and the FP8 weights and scales of Fp8Linear."""
+    fp8 = [b for name, b in model.named_buffers() if name.endswith((".weight_q", ".weight_scale"))]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *fp8])
+
+
+def fp8_gemm_tflops(n: int = 8192) -> float:
+    """An FP8 n³ GEMM with row-wise scales, as the FP8 projections run at prefill sizes."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    gemm = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+    return 2 * n ** 3 / (statistics.median(cuda_ms(gemm, 10)) / 1e3) / 1e12
 
 
 def build_model(args, dev):
@@ -146,6 +160,9 @@ def profile_table(fn, title: str, steps: int = 3) -> None:
 
 def build(args, dev):
     config, model = build_model(args, dev)
+    bf16_bytes = weight_bytes(model)
+    if args.quantization == "fp8":
+        quantize_linears(model, target_shapes(config))
     layout = PageLayout(target_shapes(config), max_rank=args.rank)
     max_batch = max(args.batches)
     lora = LoRASlots(model, layout, args.slots * layout.max_pages, args.slots,  # t_cap: the eager warm-up's step too
@@ -167,7 +184,7 @@ def build(args, dev):
     if runner.cuda_graphs is None:  # the figures would be of eager reference attention, not the engine's decode
         raise SystemExit(f"{args.shape}: decode runs without CUDA graphs (Triton decode attention takes head_dim "
                          f"{attention_kernels.HEAD_DIMS}, this model has {runner.head_dim})")
-    return model, lora, blocks, runner, weight_bytes(model), adapter_bytes, capture_s
+    return model, lora, blocks, runner, weight_bytes(model), bf16_bytes, adapter_bytes, capture_s
 
 
 def attention_alone(runner, bucket: int, iters: int) -> tuple[float, float]:
@@ -214,6 +231,7 @@ def main(argv=None):
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="the projections' weights in FP8")
     parser.add_argument("--lora-block-m", type=int, help="tokens per tile of the LoRA kernels' decode config")
     parser.add_argument("--dry-run", action="store_true", help="build on the meta device, print the bytes, exit")
     parser.add_argument("--out", default=None)
@@ -240,13 +258,17 @@ def main(argv=None):
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     gemm_tflops = 2 * 8192 ** 3 / (statistics.median(cuda_ms(lambda: a @ a, 10)) / 1e3) / 1e12
     del a
+    fp8_tflops = fp8_gemm_tflops() if args.quantization == "fp8" else None
     torch.cuda.empty_cache()
 
-    model, lora, blocks, runner, nbytes, adapter_bytes, capture_s = build(args, dev)
+    model, lora, blocks, runner, nbytes, bf16_bytes, adapter_bytes, capture_s = build(args, dev)
     config = model.config
     floor_ms = nbytes / read_gbs / 1e6
-    emit(variant="floor", shape=args.shape, weights_gb=round(nbytes / 1e9, 2), hbm_read_gbs=round(read_gbs),
-         floor_ms=round(floor_ms, 3), gemm_tflops=round(gemm_tflops), adapter_mb=round(adapter_bytes / 1e6, 1),
+    bf16_floor_ms = bf16_bytes / read_gbs / 1e6
+    emit(variant="floor", shape=args.shape, quantization=args.quantization, weights_gb=round(nbytes / 1e9, 2),
+         hbm_read_gbs=round(read_gbs), floor_ms=round(floor_ms, 3), bf16_floor_ms=round(bf16_floor_ms, 3),
+         gemm_tflops=round(gemm_tflops), fp8_gemm_tflops=fp8_tflops and round(fp8_tflops),
+         adapter_mb=round(adapter_bytes / 1e6, 1),
          graph_capture_s=round(capture_s, 1), buckets=runner.graph_batches, compiled=runner.compiled,
          lora_decode_block_m=lora_kernels.DECODE.block_m, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
          **describe(config, model, args))
@@ -266,8 +288,9 @@ def main(argv=None):
         attention_flops = 4 * config.num_attention_heads * runner.head_dim * n_prompts * 512 * 512 / 2
         flops = 2 * linear_params * args.prefill_tokens + attention_flops * config.num_hidden_layers
         ms = statistics.median(times)
+        fp8_ratio = {} if fp8_tflops is None else dict(ratio_to_fp8_gemm=round(flops / ms / 1e9 / fp8_tflops, 3))
         emit(variant="prefill", prompts=n_prompts, tokens=args.prefill_tokens, distinct=distinct, ms=round(ms, 2),
-             tflops=round(flops / ms / 1e9, 1), ratio_to_gemm=round(flops / ms / 1e9 / gemm_tflops, 3))
+             tflops=round(flops / ms / 1e9, 1), ratio_to_gemm=round(flops / ms / 1e9 / gemm_tflops, 3), **fp8_ratio)
         for s in seqs:
             blocks.release(s.request_id)
 
@@ -303,7 +326,7 @@ def main(argv=None):
                                  attention_error=float(f"{attention_error:.2g}"))
             emit(variant="decode", shape=args.shape, batch=batch, bucket=graph.batch, context=args.context,
                  distinct=distinct, ms=round(ms, 3), ratio_to_floor=round(ms / floor_ms, 3),
-                 lora_floor_ms=round(lora_floor, 3), floor_with_lora_ms=round(floor_ms + lora_floor, 3),
+                 ratio_to_bf16_floor=round(ms / bf16_floor_ms, 3), lora_floor_ms=round(lora_floor, 3), floor_with_lora_ms=round(floor_ms + lora_floor, 3),
                  ratio_to_floor_with_lora=round(ms / (floor_ms + lora_floor), 3),
                  kv_read_gb=round(kv_bytes / 1e9, 3), kv_floor_ms=round(kv_floor, 3),
                  ratio_to_floor_with_kv=round(ms / (floor_ms + kv_floor), 3), **attention,
@@ -333,7 +356,7 @@ def main(argv=None):
     if args.out:
         meta = {"command": "python -m bench.engine.decode " + " ".join(os.sys.argv[1:]),
                 "commit": os.environ.get("LORA_GIT_COMMIT", ""), "device": torch.cuda.get_device_name(),
-                "shape": args.shape}
+                "shape": args.shape, "quantization": args.quantization}
         with open(args.out, "w") as f:
             json.dump({**meta, "results": lines}, f, indent=1)
     return lines

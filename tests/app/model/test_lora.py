@@ -164,12 +164,17 @@ def test_sibling_linears_run_as_one_group_and_equal_the_per_module_loop(fp8):
         torch.testing.assert_close(v_alone, reference.model.layers[0].self_attn.v_proj(x), rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_groups_trace_whole_and_equal_the_eager_forward():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_groups_trace_whole_and_equal_the_eager_forward(fp8):
     """Under torch.compile a group's GEMM and LoRA run as one opaque op whose output its members slice: the
     decoder traces as one graph (no break at each member's call, so the elementwise work between them can fuse),
-    with one op per group, equals the eager forward with an adapter on some rows, and keeps no activation after."""
+    with one op per group, equals the eager forward with an adapter on some rows, and keeps no activation after.
+    fp8: the graph quantizes each op's input per token (so that inductor can fuse it into the input's kernel) and
+    hands the op the FP8 rows and their scales."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY).eval()
+    if fp8:
+        quantize_linears(model, target_shapes(TINY))
     layout = PageLayout(target_shapes(TINY), max_rank=8, page_rows=4)
     lora = LoRASlots(model, layout, num_pages=6, num_slots=3, t_cap=8)
     gen = torch.Generator().manual_seed(1)
@@ -186,6 +191,11 @@ def test_compiled_groups_trace_whole_and_equal_the_eager_forward():
         assert explained.graph_break_count == 0
         ops = [node for graph in explained.graphs for node in graph.graph.nodes if "lora_serve" in str(node.target)]
         assert len(ops) == len(lora.groups) == 4
+        quantized = [node.args[4:] for node in ops]
+        assert all((xq is not None and scale is not None) == fp8 for xq, scale in quantized)
+        if fp8:
+            producers = [node.target for node in explained.graphs[0].graph.nodes if node.op == "call_method"]
+            assert "amax" in producers  # quantize_rows, traced beside the RMSNorm rather than inside the op
         torch._dynamo.reset()
         got = torch.compile(model.model, backend="eager", dynamic=True)(input_ids=ids).last_hidden_state
     torch.testing.assert_close(got, want)

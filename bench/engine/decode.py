@@ -275,7 +275,8 @@ def main(argv=None):
 
     # Prefill: 8 prompts x 512 tokens, one step, 8 distinct adapters
     n_prompts = args.prefill_tokens // 512
-    linear_params = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    linear_params = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2) + sum(
+        b.numel() for name, b in model.model.layers.named_buffers() if name.endswith(".weight_q"))  # FP8 weights
     for distinct in (0, n_prompts):
         seqs = [Seq(f"p{distinct}-{i}", torch.randint(0, 128000, (512,)).tolist(), i % distinct if distinct else None)
                 for i in range(n_prompts)]

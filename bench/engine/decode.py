@@ -100,6 +100,11 @@ def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *fp8])
 
 
+def bf16_gemm_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n ** 3 / (statistics.median(cuda_ms(lambda: a @ a, 10)) / 1e3) / 1e12
+
+
 def fp8_gemm_tflops(n: int = 8192) -> float:
     """An FP8 n³ GEMM with row-wise scales, as the FP8 projections run at prefill sizes."""
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
@@ -255,9 +260,7 @@ def main(argv=None):
     buf = torch.empty(4 << 30, dtype=torch.bfloat16, device=dev).normal_()
     read_gbs = buf.numel() * 2 / (statistics.median(cuda_ms(buf.sum, 10)) / 1e3) / 1e9
     del buf
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    gemm_tflops = 2 * 8192 ** 3 / (statistics.median(cuda_ms(lambda: a @ a, 10)) / 1e3) / 1e12
-    del a
+    gemm_tflops = bf16_gemm_tflops()
     fp8_tflops = fp8_gemm_tflops() if args.quantization == "fp8" else None
     torch.cuda.empty_cache()
 

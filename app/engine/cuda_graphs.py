@@ -21,6 +21,7 @@ import torch
 from app.engine.step_inputs import StepInputs, as_decode_rows
 from app.model.attention import AttentionMetadata, AttentionState
 from app.model.kernels import attention as attention_kernels
+from app.model.kernels.attention import DecodeWorkspace
 from app.model.kernels import lora as lora_kernels
 from app.model.lora import LoRAMetadata, LoRASlots, segments
 
@@ -53,6 +54,9 @@ class DecodeGraph:
         self.batch, self.lora = batch, lora
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
+        # The attention kernels' split-K scratch, allocated outside the graph's pool: each replay writes into it, so
+        # it lives as long as the graph (freed, its memory would go to other tensors that replays then overwrite).
+        self.attention_workspace: DecodeWorkspace | None = None
 
 
 class CudaGraphs:
@@ -173,7 +177,7 @@ class CudaGraphs:
         pool = None
         for batch, lora in [(b, lora) for b in reversed(self.buckets) for lora in (True, False)]:
             graph = DecodeGraph(batch, lora)
-            self._bind_static(batch, lora)
+            graph.attention_workspace = self._bind_static(batch, lora)
             with torch.inference_mode():
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -191,7 +195,9 @@ class CudaGraphs:
                  sorted({batch for batch, _ in self.graphs}), ", torch.compile" if self.compiled else "",
                  self.capture_seconds)
 
-    def _bind_static(self, batch: int, lora: bool) -> None:
+    def _bind_static(self, batch: int, lora: bool) -> DecodeWorkspace:
+        """Point the attention and LoRA metadata at the static buffers' first `batch` rows; returns the attention
+        workspace that the bucket's graph writes into."""
         config = self.model.config
         q = torch.empty(batch, config.num_attention_heads, self.head_dim, device=self.device)
         workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, self.static_tables[:batch],
@@ -204,6 +210,7 @@ class CudaGraphs:
         s_cap = self._segment_cap(batch)
         self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:s_cap + 1],
                                           self.static_slots[:s_cap]) if lora else None
+        return workspace
 
     def _static_forward(self, batch: int) -> torch.Tensor:
         out = self.decoder(input_ids=self.static_ids[None, :batch],

@@ -1,5 +1,5 @@
-"""CUDA graphs (marker `gpu`): graph replay and compiled decode equal eager and PEFT, and the paged adapter pool
-replayed in graphs equals padded slots."""
+"""CUDA graphs (marker `gpu`): graph replay and compiled decode equal eager and PEFT, the paged adapter pool
+replayed in graphs equals padded slots, and replays write only memory that their graphs hold."""
 
 import pytest
 import torch
@@ -98,3 +98,40 @@ def test_overlapped_steps_replay_graphs_with_their_inputs_from_the_device(make_e
         tokens, scores, _ = bf16_reference(graph_model, None if adapter is None else f"adapters/{adapter}", prompt,
                                           MAX_NEW)
         assert agrees_up_to_near_tie(got, tokens, scores), (adapter, got, tokens)
+
+
+def _take_free_blocks(value: int) -> list[torch.Tensor]:
+    """Tensors of the byte `value` over every block that the caching allocator holds free for this stream outside
+    graph pools (best fit hands out a free block of the size asked for)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    taken: list[torch.Tensor] = []
+    for _ in range(8):  # a pass takes the blocks listed; the next, any that rounding left
+        free = [block["size"] for segment in torch.cuda.memory_snapshot()
+                if tuple(segment["segment_pool_id"]) == (0, 0) and segment["stream"] == stream
+                for block in segment["blocks"] if block["state"] == "inactive"]
+        if not free:
+            break
+        taken += [torch.full((size,), value, dtype=torch.uint8, device="cuda") for size in free]
+    return taken
+
+
+def test_replays_write_only_memory_their_graphs_hold(make_engine, graph_model, manifest):
+    """A replay writes through the pointers of its capture, so everything it writes (the attention kernels'
+    split-K scratch included) must live as long as its graph. Once the graphs are captured, every block the caching
+    allocator holds free is taken by a tensor of a sentinel byte: serving requests, in decode and mixed replays,
+    leaves every sentinel as it was."""
+    engine = make_engine(register=False, base_model=str(graph_model / "base"), device="cuda", dtype="bfloat16",
+                         adapter_roots=(str(graph_model / "adapters"),), num_slots=4, compile_decode=False,
+                         max_prefill_tokens_per_step=16)
+    engine.register_adapter("a0", str(graph_model / "adapters" / "a0"))
+    torch.cuda.synchronize()
+    sentinels = _take_free_blocks(0x5A)
+    assert sentinels, "the capture left no free block to watch"
+    prompts = manifest["prompts"]
+    for i in range(6):
+        engine.add_request(prompts[i % len(prompts)], (None, "a0")[i % 2], greedy(MAX_NEW, ignore_eos=True))
+    run_all(engine, check=True)
+    torch.cuda.synchronize()
+    assert engine.runner.graphs and engine.runner.mixed_replays > 0
+    overwritten = sum(int((t != 0x5A).sum()) for t in sentinels)
+    assert overwritten == 0, f"replays wrote {overwritten} bytes into memory freed after capture"

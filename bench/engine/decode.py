@@ -16,6 +16,7 @@ attention alone (every layer's decode kernel in one graph). Prints one JSON line
 them all. --dry-run builds the shape on the meta device (no GPU) and prints its bytes. `--quantization fp8`: the
 projections in FP8 as the engine's `quantization: fp8` loads them; the floor is then the FP8 model's bytes,
 `bf16_floor_ms` the same model's in bf16, and prefill is measured against an FP8 GEMM (torch._scaled_mm) too.
+`--attention-splits 1 2 4 8` times the attention alone at each split-K count beside the engine's own choice.
 
     python -m bench.engine.decode --batches 1 8 32 64 --context 512 --out bench/results/h100-x1-decode.json
     python -m bench.engine.decode --shape gemma-2-9b --dry-run
@@ -192,15 +193,17 @@ def build(args, dev):
     return model, lora, blocks, runner, weight_bytes(model), bf16_bytes, adapter_bytes, capture_s
 
 
-def attention_alone(runner, bucket: int, iters: int) -> tuple[float, float]:
+def attention_alone(runner, bucket: int, iters: int, num_splits: int | None = None) -> tuple[float, float]:
     """GPU ms of the decode step's attention alone: every layer's kernel (its window and cap) in one CUDA graph,
     over the bucket's static block tables and lengths as the last replayed step left them; and the last layer's
-    largest error against the fp32 reference, relative to its largest output."""
+    largest error against the fp32 reference, relative to its largest output. num_splits: the split-K count
+    (default: the engine's heuristic, `num_kv_splits`)."""
     config, graphs, cache = runner.model.config, runner.cuda_graphs, runner.cache
     q = torch.randn(bucket, config.num_attention_heads, runner.head_dim, dtype=cache.k.dtype, device=cache.k.device)
     out = torch.empty_like(q)
     tables, lens = graphs.static_tables[:bucket], graphs.static_lens[:bucket]
-    workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, tables, runner.block_size)
+    workspace = attention_kernels.decode_workspace(q, config.num_key_value_heads, tables, runner.block_size,
+                                                   num_splits)
     cap, scale = runner.arch.attention_softcap(config), runner.model.model.layers[0].self_attn.scaling
 
     def step():
@@ -237,6 +240,8 @@ def main(argv=None):
     parser.add_argument("--skip-decode", action="store_true", help="prefill (and eager) only")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder before capture")
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="the projections' weights in FP8")
+    parser.add_argument("--attention-splits", type=int, nargs="*", default=[],
+                        help="also time the base step's attention alone at each of these split-K counts")
     parser.add_argument("--lora-block-m", type=int, help="tokens per tile of the LoRA kernels' decode config")
     parser.add_argument("--dry-run", action="store_true", help="build on the meta device, print the bytes, exit")
     parser.add_argument("--out", default=None)
@@ -327,7 +332,12 @@ def main(argv=None):
                 attention_ms, attention_error = attention_alone(runner, graph.batch, args.iters)
                 attention = dict(attention_ms=round(attention_ms, 3),
                                  attention_ratio_to_kv_floor=round(attention_ms / kv_floor, 3),
-                                 attention_error=float(f"{attention_error:.2g}"))
+                                 attention_error=float(f"{attention_error:.2g}"),
+                                 attention_splits=graph.attention_workspace.num_splits)
+                if args.attention_splits:
+                    attention["attention_ms_by_splits"] = {
+                        n: round(attention_alone(runner, graph.batch, args.iters, n)[0], 3)
+                        for n in args.attention_splits}
             emit(variant="decode", shape=args.shape, batch=batch, bucket=graph.batch, context=args.context,
                  distinct=distinct, ms=round(ms, 3), ratio_to_floor=round(ms / floor_ms, 3),
                  ratio_to_bf16_floor=round(ms / bf16_floor_ms, 3), lora_floor_ms=round(lora_floor, 3), floor_with_lora_ms=round(floor_ms + lora_floor, 3),

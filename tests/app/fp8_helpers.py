@@ -52,16 +52,15 @@ def ranks_fp8_linear(x: torch.Tensor, parts, bias: torch.Tensor | None) -> torch
     return y if bias is None else y + bias.float()
 
 
-def fp8_peft_reference(root: Path, adapter: str | None, prompt: str, max_new: int, ranks: int = 1):
+def fp8_peft_model(root: Path, adapter: str | None, ranks: int = 1, device: str = "cuda",
+                   dtype: torch.dtype = torch.bfloat16):
     """The FP8 base through PEFT's adapter arithmetic: each projection's base output is fp8_linear_reference's,
     computed from its input as the engine's GEMM sees it, and PEFT adds the adapter's from the same input. With
     `ranks`, as that many tensor-parallel ranks compute it: a row-parallel projection's ranks quantize their input
-    columns (weight and activation) on their own, and their products are summed. Returns the greedy tokens and
-    each step's scores."""
+    columns (weight and activation) on their own, and their products are summed."""
     from peft import PeftModel
 
-    tokenizer = AutoTokenizer.from_pretrained(root / "base")
-    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=dtype).to(device)
     arch = check_supported(model.config)
     plans = [ShardPlan(arch, model.config, TensorParallel(rank, ranks)) for rank in range(ranks)] if ranks > 1 else []
     for path in target_shapes(model.config):
@@ -69,12 +68,19 @@ def fp8_peft_reference(root: Path, adapter: str | None, prompt: str, max_new: in
         if not plans or plans[0].splits[path].kind == "column":  # a column-parallel shard's scales are the whole's
             parts = [(slice(None), Fp8Weight.quantize(linear.weight))]
         else:
-            indices = [plan.splits[path].index.cuda() for plan in plans]
+            indices = [plan.splits[path].index.to(device) for plan in plans]
             parts = [(index, Fp8Weight.quantize(linear.weight[:, index])) for index in indices]
         linear.register_forward_hook(lambda module, args, out, parts=parts:
                                      ranks_fp8_linear(args[0].float(), parts, module.bias).to(out.dtype))
     if adapter is not None:
         model = PeftModel.from_pretrained(model, root / "adapters" / adapter)
+    return model.eval()
+
+
+def fp8_peft_reference(root: Path, adapter: str | None, prompt: str, max_new: int, ranks: int = 1):
+    """`fp8_peft_model`'s greedy tokens for the prompt on the GPU, in bf16, and each step's scores."""
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    model = fp8_peft_model(root, adapter, ranks)
     inputs = tokenizer(prompt, return_tensors="pt").to("cuda")
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new, output_scores=True,

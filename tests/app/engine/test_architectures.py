@@ -1,7 +1,9 @@
 """Every declared architecture serves PEFT's own output: greedy tokens of the base and two adapters in one mixed
 batch (prompts prefilled in chunks, windows passing mid-block) equal PeftModel.generate, and prompt logits agree
 within 1e-4, in float32 on CPU, on tiny random models. A feature case first shows that its feature changes
-PEFT's output, so the engine cannot pass by ignoring it. What is not declared is refused at start-up."""
+PEFT's output, so the engine cannot pass by ignoring it. What is not declared is refused at start-up. An FP8 base
+serves the same FP8 base under PEFT's adapter arithmetic on every architecture (float32 arithmetic on CPU, the
+FP8 GEMMs on the GPU)."""
 
 from pathlib import Path
 
@@ -10,12 +12,14 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.engine import builder
 from app.engine.engine import LLMEngine
 from app.model import attention
 from app.model.architectures import UnsupportedModel
 from app.model.kernels.attention import attend, window_mask
 from arch_helpers import CASES, build_case, case_config, peft_references, tiny_config
 from engine_helpers import BF16_ATOL, agrees_up_to_near_tie, engine_config, greedy, run_all
+from fp8_helpers import fp8_peft_model, fp8_peft_reference
 
 MAX_NEW = 20
 PROMPTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps", "Once upon a time"]
@@ -84,6 +88,33 @@ def test_prompt_logits_within_1e_4(case):
         for (adapter, prompt), (_, expected) in case["references"].items():
             got = engine.prompt_logits(prompt, adapter)
             assert (got - expected).abs().max().item() <= 1e-4, (adapter, prompt)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_fp8_base_serves_its_fp8_arithmetic(tmp_path, demo_dir, monkeypatch, name):
+    """`quantization: fp8` on every architecture's projections (Qwen2's q/k/v biases, Gemma's soft-capping, Phi-3's
+    fused q/k/v and gate/up), in the engine's FP8 arithmetic run in float32 on CPU (`fp8_linear_reference`; the GEMMs
+    themselves are the GPU tests'): prompt logits equal the same FP8 base under PEFT's adapter arithmetic within
+    1e-4, for the base and two adapters, where the dense model's differ by more than 1e-3."""
+    monkeypatch.setattr(builder, "check_fp8_device", lambda device: None)  # CPU has no FP8 GEMM, only the reference
+    build_case(tmp_path, name, Path(demo_dir) / "base")
+    engine = LLMEngine(engine_config(tmp_path, quantization="fp8"))
+    try:
+        assert engine.runner.model.model.layers[0].mlp.down_proj.base.weight_q.dtype == torch.float8_e4m3fn
+        for adapter in ["all", "some"]:
+            engine.register_adapter(adapter, str(tmp_path / "adapters" / adapter))
+        ids = AutoTokenizer.from_pretrained(tmp_path / "base")(PROMPTS[0], return_tensors="pt")
+        dense = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+        for adapter in [None, "all", "some"]:
+            with torch.no_grad():
+                want = fp8_peft_model(tmp_path, adapter, device="cpu", dtype=torch.float32)(**ids).logits[0]
+            got = engine.prompt_logits(PROMPTS[0], adapter)
+            assert (got - want).abs().max().item() <= 1e-4, adapter
+        with torch.no_grad():
+            off = (dense(**ids).logits[0] - engine.prompt_logits(PROMPTS[0])).abs().max().item()
+        assert off > 1e-3, f"FP8 moved the base's logits by only {off}: the case cannot tell FP8 from dense"
     finally:
         engine.shutdown()
 
@@ -194,5 +225,32 @@ def test_bf16_on_cuda_agrees_with_peft(tmp_path, demo_dir, name, head_dim, compi
             assert agrees_up_to_near_tie(tokens[request_id], expected, scores), (adapter, prompt)
             error = (engine.prompt_logits(prompt, adapter) - logits).abs().max().item()
             assert error <= BF16_ATOL, (adapter, prompt, error)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an FP8 GPU")
+@pytest.mark.parametrize("name", ["llama-biases", "qwen2-window", "gemma2", "gemma3", "phi3"])
+def test_fp8_on_cuda_serves_the_fp8_arithmetic(tmp_path, demo_dir, name):
+    """An FP8 base on each kind of projection (biases, soft-capping, windows, Phi-3's fused ones), served as the engine
+    serves by default (compiled decoder, quantization fused into its kernels, CUDA graphs, chunked prefill): greedy
+    tokens of the base and two adapters equal the same FP8 base under PEFT's adapter arithmetic up to a near tie."""
+    build_case(tmp_path, name, Path(demo_dir) / "base", head_dim=64)
+    engine = LLMEngine(engine_config(tmp_path, device="cuda", dtype="bfloat16", quantization="fp8", num_slots=4,
+                                     max_batch_size=8, max_prefill_tokens_per_step=16))
+    try:
+        assert engine.runner.graphs and engine.runner.compiled
+        for adapter in ["all", "some"]:
+            engine.register_adapter(adapter, str(tmp_path / "adapters" / adapter))
+        requests = {}
+        for adapter in [None, "all", "some"]:
+            for prompt in PROMPTS:
+                requests[engine.add_request(prompt, adapter, greedy(MAX_NEW)).request_id] = (adapter, prompt)
+        tokens = run_all(engine, check=True)
+        for request_id, (adapter, prompt) in requests.items():
+            expected, scores = fp8_peft_reference(tmp_path, adapter, prompt, MAX_NEW)
+            assert agrees_up_to_near_tie(tokens[request_id], expected, scores), (adapter, prompt)
     finally:
         engine.shutdown()

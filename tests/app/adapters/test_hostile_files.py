@@ -77,6 +77,10 @@ def test_errors_never_echo_the_files_bytes(registry, good, content, echoed):
     assert echoed not in caught.value.message and f"{len(content)}-byte" not in caught.value.message
 
 
+# The bounds below are on this process's CPU time: make test runs these tests at the lowest priority beside the
+# cluster lane, where wall time stretches with the other lane's load.
+
+
 def test_padded_file_is_refused_from_its_header(registry, good):
     """A valid adapter padded to just under max_adapter_bytes (a sparse file): refused from the header and the
     declared sizes, in milliseconds and without reading the padding."""
@@ -84,10 +88,10 @@ def test_padded_file_is_refused_from_its_header(registry, good):
     with open(weights, "r+b") as f:
         f.truncate(registry.max_adapter_bytes - 1)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(AdapterFormatError, match="padded"):
         registry.validate("a", good)
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100 * 1024  # KiB: < 100 MB
 
 
@@ -109,20 +113,20 @@ def test_values_are_checked_in_bounded_chunks(registry, root, monkeypatch):
 def test_catastrophic_target_modules_regex_is_bounded(registry, good):
     """`(.|.){23}y` backtracks 2**23 ways per module name in `re`; matching is bounded and the adapter refused."""
     edit_config(good, target_modules="(.|.){23}y|.*(q|k|v|o)_proj")
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(AdapterInvalid, match="target_modules pattern .* took over") as caught:
         registry.validate("a", good)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert _status(caught.value) == 400
 
 
 @pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
 def test_catastrophic_pattern_keys_are_bounded(registry, good, field):
     edit_config(good, **{field: {"(.|.){23}y": 8}})
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(AdapterInvalid, match=f"{field} pattern"):
         registry.validate("a", good)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_invalid_regex_is_a_clear_error(registry, good):

@@ -110,9 +110,9 @@ def test_tiny_adapters_say_their_catchphrase(manifest: dict, outputs: dict[str, 
 
 def test_ensure_demo_is_a_no_op_when_up_to_date(demo_dir: Path):
     stamp = (demo_dir / "demo.json").stat().st_mtime_ns
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: wall time stretches with the other test lane's load
     assert demo.ensure_demo(demo_dir) == demo_dir
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert (demo_dir / "demo.json").stat().st_mtime_ns == stamp
 
 

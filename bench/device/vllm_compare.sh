@@ -7,10 +7,12 @@
 # enable_lora, max_loras 32, max_cpu_loras 32, max_lora_rank 16; gpu_memory_utilization 0.85; its defaults
 # otherwise), each configuration in a process of its own: vLLM holds the GPU until its process exits.
 #
-# vLLM travels in chunks first (../shared/peers/vllm/README.md): six runs of `bash .vstage/stage.sh`, carry
-# [".vstage/c01", ".vstage/stage.sh"] ... c06, back to back on one warm machine. Then, on that machine, two calls:
+# vLLM travels in chunks first (../shared/peers/vllm/README.md): one run of `bash .vstage/stage.sh` per chunk, carry
+# [".vstage/c01", ".vstage/stage.sh"], then c02 and on, back to back on one warm machine. A chunk and the tree must
+# fit the 64 MiB a call carries (in .vstage, `cat c?? > /tmp/p.tar && rm c?? && split -b 50M -d
+# --numeric-suffixes=1 -a 2 /tmp/p.tar c` re-cuts them). Then, on that machine, two calls:
 #   command: CONCURRENCY=32 LORA_GIT_COMMIT=<git rev-parse --short HEAD> bash bench/device/vllm_compare.sh
-#   carry:   [".vstage/payload.sha256", ".vstage/install.sh", ".vstage/stage.sh"]
+#   carry:   [".vstage/payload.sha256", ".vstage/install.sh", ".vstage/stage.sh"] (and "demo/whl-ct" for FP8)
 #   then the same with CONCURRENCY=128.
 # Ours needs no Ray, so no .whl: the pydantic its config needs comes with vLLM's install in /tmp/vsite.
 # Time (estimated): the first call on a machine installs vLLM (~0.5 min) and builds the 16 GB base and 32 adapters
@@ -24,7 +26,10 @@
 # its set: VARIANTS="|overlap_steps=false" runs the defaults, then -overlap-steps-false; the summary counts the
 # last), VLLM_ADAPTERS (the adapter counts vLLM runs too; ADAPTERS), VLLM_ARGS (further LLM(...) keywords, KEY=VALUE
 # each), NAME_TAG (a suffix of both engines' result names: NAME_TAG=-fp8 ENGINE_ARGS=quantization=fp8
-# VLLM_ARGS=quantization=fp8 compares FP8 bases), NOTE (kept in the results).
+# VLLM_ARGS=quantization=fp8 compares FP8 bases), NOTE (kept in the results), CT_WHEELS (demo/whl-ct: the wheels of
+# compressed-tensors and loguru, which vLLM's quantization code imports and its payload lacks; installed beside vLLM
+# when the folder is carried. Here: pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation
+# cp --platform manylinux_2_28_x86_64 --platform any -d demo/whl-ct compressed-tensors loguru).
 # Results: bench/results/<slug>-throughput-{ours,vllm}-c<concurrency>-a<adapters>.json and this call's table,
 # <slug>-throughput-vs-vllm.json, copied to $OUT (one tgz past 8 files) with vllm_compare.log (all output). Once
 # both calls' results are in bench/results here, `python -m bench.peers.compare <those files> --out-dir <dir>` makes
@@ -35,6 +40,10 @@ deadline=$(( SECONDS + ${COMPARE_S:-575} ))
 log=$OUT/vllm_compare.log
 bash .vstage/install.sh 2>&1 | tee -a "$log" | tail -2
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "vLLM is not installed: stage its chunks first (header)"; exit 1; }
+ct_wheels=${CT_WHEELS:-demo/whl-ct}
+if [ -d "$ct_wheels" ] && ! PYTHONPATH=/tmp/vsite python3 -c "import compressed_tensors" 2> /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite "$ct_wheels"/*.whl 2>&1 | tail -2
+fi
 export PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 

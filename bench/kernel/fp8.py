@@ -36,7 +36,7 @@ from bench.kernel.lora import hbm_read_rate, median_ms
 GROUPS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 LAYERS = 32
 TOKENS = [1, 16, 32, 64, 128, 256, 512, 2048]
-SWEEP_TOKENS = [32, 128, 1, 64, 16]  # in the order they are swept: the decode batches that matter most first
+SWEEP_TOKENS = [32, 1, 16, 128, 64]  # in the order they are swept: the decode batches that matter most first
 SWEEP_CONFIGS = [GemmConfig(block_n=n, block_k=k, num_warps=8 if n == 128 else 4, num_stages=stages)
                  for n in (16, 32, 64, 128) for k in (128, 256) for stages in (3, 5)]
 

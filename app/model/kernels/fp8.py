@@ -22,8 +22,8 @@ float32 and this kernel applies both scales (and the bias) in one pass:
     for r in rows: for c in cols:
         y[r, c] = dtype(acc[r, c] * row_scale[r] * column_scale[c] + bias[c])
 
-`scaled_gemm` does both in one kernel: the FP8 product, accumulated in float32, with the two scales and the bias
-applied as each output tile is stored, so the float32 product never goes to memory. Each program owns BLOCK_N
+`scaled_gemm` does both in one kernel: the FP8 product, with the two scales and the bias applied as each output tile
+is stored, so no float32 product goes to memory. Each program owns BLOCK_N
 output columns of every row (BLOCK_M covers all rows up to 128), so each weight byte is read once, which is what
 bounds a GEMM over few rows. It is written by hand because torch has no other FP8 GEMM that takes one scale per
 row and one per column; `python -m bench.kernel.fp8 --epilogue-sweep` times it against the two-kernel path. On
@@ -156,7 +156,8 @@ def scaled_gemm(q: torch.Tensor, row_scale: torch.Tensor, weight_q: torch.Tensor
                 bias: torch.Tensor | None, dtype: torch.dtype, config: GemmConfig = GemmConfig()) -> torch.Tensor:
     """q [R, K] and weight_q [N, K] float8_e4m3fn (rows contiguous), row_scale [R, 1] and column_scale [N] float32,
     bias [N] or None -> [R, N] in dtype: dtype(sum_k q[r, k] * weight_q[n, k] * row_scale[r] * column_scale[n]
-    + bias[n]), the arithmetic of the tensor-wise GEMM into float32 followed by `rescale_rows_columns`."""
+    + bias[n]), the arithmetic of the tensor-wise GEMM into float32 followed by `rescale_rows_columns` (but for
+    the precision of Hopper's FP8 accumulation: see above)."""
     rows, depth = q.shape
     cols = weight_q.shape[0]
     out = torch.empty(rows, cols, dtype=dtype, device=q.device)

@@ -53,6 +53,13 @@ def rows(paths: list[Path]) -> list[Row]:
     return table
 
 
+def _shared_provenance(paths: list[Path]) -> dict:
+    """The device, torch and commit that every result names alike: a table made on another machine is theirs."""
+    records = [json.loads(path.read_text()) for path in paths]
+    return {key: values.pop() for key in ("device", "torch", "git_commit")
+            if len(values := {r.get(key) for r in records}) == 1 and None not in values}
+
+
 def _tok_s(entry: tuple[dict, Path] | None) -> float | None:
     return None if entry is None else entry[0]["result"]["output_tokens_per_s"]
 
@@ -78,7 +85,7 @@ def main(argv=None) -> dict:
     table = rows(args.results)
     text = markdown(table)
     payload = {"benchmark": "throughput-vs-vllm", "table": text,
-               "rows": [{**asdict(r), "ratio": r.ratio} for r in table]}
+               "rows": [{**asdict(r), "ratio": r.ratio} for r in table], **_shared_provenance(args.results)}
     path = write_result(args.name, payload, args.out_dir)
     prefixes = {r.name.split("-throughput-", 1)[0] for r in args.results}
     if len(prefixes) == 1 and (shared := args.out_dir / f"{prefixes.pop()}-{args.name}.json") != path:

@@ -100,9 +100,10 @@ def test_base_run_sends_no_lora(demo_dir, tmp_path, fake_vllm):
     assert all(loras is None for _, _, loras in llm.calls)
 
 
-def result(tmp_path, engine, concurrency, adapters, tok_s, timestamp="2026-01-01T00:00:00Z"):
+def result(tmp_path, engine, concurrency, adapters, tok_s, timestamp="2026-01-01T00:00:00Z", device="NVIDIA H200"):
     path = tmp_path / f"{engine}-{concurrency}-{adapters}-{timestamp[:4]}.json"
     path.write_text(json.dumps({"benchmark": "throughput", "engine": engine, "timestamp": timestamp,
+                                "device": device, "git_commit": "abc1234",
                                 "args": {"max_batch_size": concurrency, "adapters": adapters},
                                 "result": {"output_tokens_per_s": tok_s, "partial": False}}))
     return path
@@ -117,3 +118,17 @@ def test_compare_pairs_engines_by_concurrency_and_adapters(tmp_path):
         (32, 0, 2000.0, 3000.0), (32, 32, 1500.0, None)]
     assert rows[0].ratio == pytest.approx(2 / 3) and rows[1].ratio is None
     assert "| 32 | base | 2,000 | 3,000 | 0.67 |" in compare.markdown(rows)
+
+
+def test_the_table_names_the_device_and_commit_its_results_share(tmp_path):
+    paths = [result(tmp_path, "ours", 32, 0, 2000.0), result(tmp_path, "vllm", 32, 0, 3000.0)]
+    written = json.loads(next(iter(_summaries(tmp_path, paths))).read_text())
+    assert (written["device"], written["git_commit"]) == ("NVIDIA H200", "abc1234")
+    mixed = [*paths, result(tmp_path, "ours", 32, 32, 1500.0, device="NVIDIA H100 80GB HBM3")]
+    written = json.loads(next(iter(_summaries(tmp_path / "mixed", mixed))).read_text())
+    assert written["device"] != "NVIDIA H200" and written["git_commit"] == "abc1234"  # this machine's name
+
+
+def _summaries(out_dir, paths):
+    compare.main([*map(str, paths), "--out-dir", str(out_dir)])
+    return out_dir.glob("*throughput-vs-vllm.json")

@@ -4,8 +4,9 @@ bench/engine/throughput.py's and bench/peers/vllm.py's results, printed as a tab
     python -m bench.peers.compare bench/results/h100-x1-throughput-*-c*-a*.json   # as vllm_compare.sh runs it
 
 Where one engine has several results for a row, the latest counts. The summary takes the device prefix its results
-share (h100-x1-throughput-vs-vllm.json), so that a table made here of a GPU machine's results is named after that
-machine; results of several machines give a table under this machine's prefix. This module does not import vLLM.
+share (h100-x1-throughput-vs-vllm.json), and the device, torch and commit they all record, so that a table made here
+of a GPU machine's results is named after that machine; results of several machines give a table under this
+machine's prefix. This module does not import vLLM.
 """
 
 from __future__ import annotations

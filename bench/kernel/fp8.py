@@ -13,8 +13,9 @@ floor_ms: the weights' bytes (bf16, or FP8 plus its scales) over the HBM read ra
 
 `--epilogue-sweep` times, per linear group and M up to 128, on quantized inputs, fp8_linear's small-batch path (the
 tensor-wise GEMM into float32, then the fused rescale) against app.model.kernels.fp8.scaled_gemm (the scales and
-the bias in the GEMM's epilogue) at each tiling of SWEEP_CONFIGS, each over the group's 32 layers in one CUDA graph,
-with the largest difference of each tiling's output from the two-kernel path's (relative to its largest magnitude).
+the bias in the GEMM's epilogue) at each tiling of SWEEP_CONFIGS (some with partial sums promoted to float32), each
+over the group's 32 layers in one CUDA graph, with the largest difference of each tiling's output from the
+two-kernel path's (relative to its largest magnitude).
 Written as <slug>-fp8-epilogue-gemm.json; --sweep-s bounds it (the M values left are skipped).
 """
 
@@ -39,6 +40,9 @@ TOKENS = [1, 16, 32, 64, 128, 256, 512, 2048]
 SWEEP_TOKENS = [32, 1, 16, 128, 64]  # in the order they are swept: the decode batches that matter most first
 SWEEP_CONFIGS = [GemmConfig(block_n=n, block_k=k, num_warps=8 if n == 128 else 4, num_stages=stages)
                  for n in (16, 32, 64, 128) for k in (128, 256) for stages in (3, 5)]
+# The groups' fastest tilings at up to 64 tokens on an H200, again with partial sums promoted to float32
+SWEEP_CONFIGS += [GemmConfig(block_n=n, block_k=k, num_stages=stages, promote_every=every)
+                  for n, k, stages in ((64, 256, 5), (32, 256, 5), (64, 128, 3)) for every in (64, 128)]
 
 
 def rowwise_linear(x, weight: Fp8Weight, quantize=quantize_rows_fused):

@@ -28,7 +28,8 @@ output columns of every row (BLOCK_M covers all rows up to 128), so each weight 
 bounds a GEMM over few rows. It is written by hand because torch has no other FP8 GEMM that takes one scale per
 row and one per column; `python -m bench.kernel.fp8 --epilogue-sweep` times it against the two-kernel path. On
 Hopper its FP8 MMAs sum in fewer bits than float32 (its outputs lie up to 1.1% of the largest apart from cuBLASLt's
-at a depth of 14,336), so fp8_linear does not call it.
+at a depth of 14,336), so fp8_linear does not call it; `GemmConfig.promote_every` adds the partial sums into a
+float32 accumulator every so many products, and the sweep times those tilings beside the others.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ if triton is not None:
     @triton.jit
     def _scaled_gemm_kernel(x_ptr, w_ptr, row_scale_ptr, column_scale_ptr, bias_ptr, out_ptr, rows, cols, depth,
                             stride_x, stride_w, stride_out, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PROMOTE_EVERY: tl.constexpr):
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -103,7 +105,10 @@ if triton is not None:
                 k_in = start + offs_k < depth
                 x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=n_in[:, None] & k_in[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            if PROMOTE_EVERY:
+                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE_EVERY)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         y = acc * tl.load(row_scale_ptr + offs_m, mask=m_in, other=0.0)[:, None]
@@ -144,12 +149,15 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """`scaled_gemm`'s tiling: output columns and reduction depth per step of a program, and its launch shape."""
+    """`scaled_gemm`'s tiling: output columns and reduction depth per step of a program, and its launch shape.
+    promote_every: on Hopper, add the FP8 MMAs' partial sums into a float32 accumulator after this many products
+    of each dot (at most block_k); 0 leaves the whole reduction to the MMAs' own accumulation."""
 
     block_n: int = 32
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    promote_every: int = 0
 
 
 def scaled_gemm(q: torch.Tensor, row_scale: torch.Tensor, weight_q: torch.Tensor, column_scale: torch.Tensor,
@@ -168,5 +176,5 @@ def scaled_gemm(q: torch.Tensor, row_scale: torch.Tensor, weight_q: torch.Tensor
             q, weight_q, row_scale, column_scale, bias if bias is not None else column_scale, out, rows, cols, depth,
             q.stride(0), weight_q.stride(0), out.stride(0), HAS_BIAS=bias is not None,
             EVEN_K=depth % config.block_k == 0, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            PROMOTE_EVERY=config.promote_every, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

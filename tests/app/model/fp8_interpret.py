@@ -14,6 +14,7 @@ CASES = [
     (7, 200, 64, False, torch.float32, GemmConfig(block_n=16, block_k=64)),  # depth not a multiple of block_k
     (33, 384, 150, True, torch.float16, GemmConfig(block_n=64, block_k=128)),  # 150 columns: a ragged last tile
     (130, 128, 40, True, torch.float32, GemmConfig(block_n=32, block_k=32)),  # two programs of 128 rows
+    (5, 512, 64, True, torch.float32, GemmConfig(block_n=32, block_k=128, promote_every=64)),
     (0, 64, 32, False, torch.float32, GemmConfig()),
 ]
 

@@ -23,13 +23,13 @@ float32 and this kernel applies both scales (and the bias) in one pass:
         y[r, c] = dtype(acc[r, c] * row_scale[r] * column_scale[c] + bias[c])
 
 `scaled_gemm` does both in one kernel: the FP8 product, with the two scales and the bias applied as each output tile
-is stored, so no float32 product goes to memory. Each program owns BLOCK_N
-output columns of every row (BLOCK_M covers all rows up to 128), so each weight byte is read once, which is what
-bounds a GEMM over few rows. It is written by hand because torch has no other FP8 GEMM that takes one scale per
-row and one per column; `python -m bench.kernel.fp8 --epilogue-sweep` times it against the two-kernel path. On
-Hopper its FP8 MMAs sum in fewer bits than float32 (its outputs lie up to 1.1% of the largest apart from cuBLASLt's
-at a depth of 14,336), so fp8_linear does not call it; `GemmConfig.promote_every` adds the partial sums into a
-float32 accumulator every so many products, and the sweep times those tilings beside the others.
+is stored, so no float32 product goes to memory. Each program owns BLOCK_N output columns of every row (BLOCK_M
+covers all rows up to 128), so each weight byte is read once, which is what bounds a GEMM over few rows. It is
+written by hand because torch has no other FP8 GEMM that takes one scale per row and one per column; `python -m
+bench.kernel.fp8 --epilogue-sweep` times it against the two-kernel path. On Hopper its FP8 MMAs sum in fewer bits
+than float32 (its outputs lie up to 1.1% of the largest apart from cuBLASLt's at a depth of 14,336), so fp8_linear
+does not call it; `GemmConfig.promote_every` adds the partial sums into a float32 accumulator every so many
+products, and the sweep times those tilings beside the others.
 """
 
 from __future__ import annotations

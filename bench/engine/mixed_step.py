@@ -19,7 +19,7 @@ import torch
 
 from app.engine.scheduler import Chunk, StepPlan
 from bench.common import timed_ms
-from bench.engine.decode import Seq, build
+from bench.engine.decode import Seq, build, profile_table
 
 
 def main():
@@ -27,24 +27,26 @@ def main():
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--prefill", default="4x512", help="prompts x tokens")
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--distinct", type=int, default=8)
+    parser.add_argument("--distinct", type=int, default=8, help="adapters the rows cycle through (0: the base model)")
     parser.add_argument("--rows", type=int, default=30, help="cProfile rows")
     parser.add_argument("--max-graph-tokens", type=int, default=0, help="replay steps of up to this many tokens "
                         "in graphs (the engine's default is 512; 0: eager, as before)")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="also a torch.profiler table of the step's kernels")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
     # max_batch_size counts every running request, the prefilling ones too (as in the engine)
-    ns = argparse.Namespace(layers=32, rank=16, slots=64, batches=[args.decode + n_prompts],
+    ns = argparse.Namespace(shape="llama-3-8b", quantization=None, layers=32, rank=16, slots=64, batches=[args.decode + n_prompts],
                             prefill_tokens=n_prompts * prompt_len,
                             context=args.context, compile=args.compile,
                             max_graph_tokens=args.max_graph_tokens)
     model, lora, blocks, runner, *_ = build(ns, torch.device("cuda"))
-    decode = [Seq(f"d{i}", [1] * args.context, i % args.distinct) for i in range(args.decode)]
+    slot = lambda i: i % args.distinct if args.distinct else None  # noqa: E731
+    decode = [Seq(f"d{i}", [1] * args.context, slot(i)) for i in range(args.decode)]
     for s in decode:
         blocks.allocate(s.request_id, args.context + 1)
         s.num_cached, s.output_ids = args.context, [1]
-    prompts = [Seq(f"p{i}", list(range(100, 100 + prompt_len)), i % args.distinct) for i in range(n_prompts)]
+    prompts = [Seq(f"p{i}", list(range(100, 100 + prompt_len)), slot(i)) for i in range(n_prompts)]
     for s in prompts:
         blocks.allocate(s.request_id, prompt_len)
     plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in decode],
@@ -78,6 +80,8 @@ def main():
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
     print(text.getvalue())
+    if args.kernels:
+        profile_table(step, "mixed step")
 
 
 if __name__ == "__main__":

@@ -153,15 +153,16 @@ def host_ms(fn, iters: int) -> list[float]:
     return timed_ms(fn, iters, host=True)
 
 
-def profile_table(fn, title: str, steps: int = 3) -> None:
+def profile_table(fn, title: str, steps: int = 3, sort_by: tuple[str, ...] = ("self_cuda_time_total",)) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    print(f"== profile: {title} ({steps} steps) ==")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    for key in sort_by:
+        print(f"== profile: {title} ({steps} steps), by {key} ==")
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
 
 
 def build(args, dev):

@@ -81,7 +81,7 @@ def main():
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
     print(text.getvalue())
     if args.kernels:
-        profile_table(step, "mixed step")
+        profile_table(step, "mixed step", sort_by=("self_cuda_time_total", "self_cpu_time_total"))
 
 
 if __name__ == "__main__":

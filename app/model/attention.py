@@ -16,8 +16,6 @@ and its score soft-capping.
 from __future__ import annotations
 
 import inspect
-import itertools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -101,40 +99,22 @@ class AttentionState:
         self.meta: AttentionMetadata | None = None
 
 
+@torch.compiler.disable  # opaque to torch.compile: Triton kernels and per-step metadata, run as they are
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                     softcap=None, **kwargs):
-    """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
-    The work runs as one op (`_attention_op`), opaque to torch.compile but no break in its graph: the compiled
-    decoder stays one graph, whose call checks its guards once per step rather than once per layer (a graph
-    break in each layer cost a 2,048-token eager step about a third of its host time in guards and calls)."""
-    if (sliding_window, softcap) != (module.paged_window, module.paged_softcap):
-        # a wrong declaration would serve other attention: stop
-        raise RuntimeError(f"layer {module.layer_idx}: transformers asks for sliding_window={sliding_window}, "
-                           f"softcap={softcap}; the architecture declares {module.paged_window}, "
-                           f"{module.paged_softcap}")
-    return torch.ops.lora_serve.attention(query, key, value, module.paged_handle, scaling), None
-
-
-_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()  # handle -> module
-_HANDLES = itertools.count()
-
-
-@torch.library.custom_op("lora_serve::attention", mutates_args=())
-def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: torch.Tensor,
-                  scaling: float | None) -> torch.Tensor:
-    """One layer's paged attention: writes the step's K/V into the cache, then attends (the step's
-    AttentionMetadata is on the module's state). The layer is named by a tensor, as app/model/lora.py's groups:
-    dynamo guards on an int's value."""
-    module = _MODULES[int(handle)]
+    """transformers' attention signature: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
     state: AttentionState = module.paged_state
     meta, layer = state.meta, module.layer_idx
     window, cap = module.paged_window, module.paged_softcap
+    if (sliding_window, softcap) != (window, cap):  # a wrong declaration would serve other attention: stop
+        raise RuntimeError(f"layer {layer}: transformers asks for sliding_window={sliding_window}, "
+                           f"softcap={softcap}; the architecture declares {window}, {cap}")
     k_cache, v_cache = state.cache.k[layer], state.cache.v[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
     _, kv_heads, head_dim = k_cache.shape[1:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    out = q.new_empty(q.shape)  # contiguous, as the op's fake output
+    out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
         if meta.use_kernel:
@@ -146,20 +126,14 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, h
                                                       meta.decode_context_lens, scaling, window, cap)
     if meta.prefill_kv_rows is not None:
         out[nd:] = _prefill_varlen(q[nd:], k_cache, v_cache, meta, scaling, window)
-        return out.unsqueeze(0)
+        return out.unsqueeze(0), None
     starts = meta.prefill_query_starts
     with sdpa_kernel(PREFILL_BACKENDS):
         for i, length in enumerate(meta.prefill_context_lens):
             first, last = nd + starts[i], nd + starts[i + 1]
             out[first:last] = _prefill_one(q[first:last], k_cache, v_cache, meta.prefill_blocks[i], length, scaling,
                                            window, cap)
-    return out.unsqueeze(0)
-
-
-@_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: torch.Tensor,
-      scaling: float | None) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    return out.unsqueeze(0), None
 
 
 def _prefill_one(q, k_cache, v_cache, blocks, length, scale, window=None, softcap=None):
@@ -254,9 +228,6 @@ def install(model, state: AttentionState, arch: Architecture) -> None:
     if len(windows) != len(layers):
         raise RuntimeError(f"{arch.name}: {len(windows)} layer windows for {len(layers)} layers")
     for layer, window in zip(layers, windows):
-        handle = next(_HANDLES)
-        _MODULES[handle] = layer.self_attn
-        layer.self_attn.paged_handle = torch.tensor(handle)  # [] int64, on the host
         layer.self_attn.paged_state = state
         layer.self_attn.paged_window = window
         layer.self_attn.paged_softcap = arch.attention_softcap(config)

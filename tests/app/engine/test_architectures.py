@@ -6,7 +6,6 @@ serves the same FP8 base under PEFT's adapter arithmetic on every architecture (
 FP8 GEMMs on the GPU)."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -91,28 +90,6 @@ def test_prompt_logits_within_1e_4(case):
             assert (got - expected).abs().max().item() <= 1e-4, (adapter, prompt)
     finally:
         engine.shutdown()
-
-
-def test_the_compiled_decoder_is_one_graph(case, monkeypatch):
-    """The paged attention is an op opaque to torch.compile but no break in its graph: the decoder that CUDA
-    engines compile traces as one graph for every architecture (a graph per layer would check its guards in each
-    layer of every eager step), and computes what the uncompiled decoder does."""
-    from torch._dynamo.utils import counters
-
-    engine = serve(case)
-    try:
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(engine.runner.model.model, backend="eager", dynamic=True)
-        monkeypatch.setattr(engine.runner, "cuda_graphs", SimpleNamespace(decoder=compiled))  # eager steps run it
-        for (adapter, prompt), (_, expected) in case["references"].items():
-            got = engine.prompt_logits(prompt, adapter)
-            assert (got - expected).abs().max().item() <= 1e-4, (adapter, prompt)
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        assert counters["stats"]["unique_graphs"] == 1
-    finally:
-        engine.shutdown()
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -203,9 +203,9 @@ def test_compiled_groups_trace_whole_and_equal_the_eager_forward(fp8):
 
 
 def test_compiled_layers_share_one_compilation():
-    """Where a graph breaks in every layer (here each attention, made opaque to torch.compile), dynamo compiles
-    each layer's frames on their own: the layers' groups must not differ in anything dynamo guards on (an int
-    handle would make each layer compile anew, and past dynamo's recompile limit run eagerly)."""
+    """The engine's attention breaks the compiled graph in every layer, so dynamo compiles each layer's frames on
+    their own: the layers' groups must not differ in anything dynamo guards on (an int handle would make each layer
+    compile anew, and past dynamo's recompile limit run eagerly)."""
     from torch._dynamo.utils import counters
 
     def compiled_graphs(layers: int) -> int:

@@ -16,9 +16,11 @@ from app.adapters.targets import TARGET_NAMES
 
 GiB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Below this much room in max_graph_tokens, prefill runs 2048 tokens a step eagerly: graph-sized steps fill a large
-# batch too slowly (256 sequences on one H200: 1.23x the output tokens/s of 256-token steps; 128: alike).
+# Below this much room in max_graph_tokens, prefill runs EAGER_PREFILL_TOKENS a step eagerly: graph-sized steps fill
+# a large batch too slowly (256 sequences on one H200: 2048-token steps gave 1.23x the output tokens/s of 256-token
+# steps; 128: alike). 4096-token steps gave 1.10x 2048's; 8192 no more, in steps twice as long (docs/benchmarks.md).
 MIN_GRAPH_PREFILL_TOKENS = 384
+EAGER_PREFILL_TOKENS = 4096
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -79,7 +81,7 @@ class EngineConfig:
     max_prefill_tokens_per_step: int | None = Field(
         default=None, ge=1, description="Prefill tokens in one engine step; longer prompts are prefilled in chunks "
         "between decode steps. Default: max_graph_tokens - max_batch_size, so that steps that prefill replay a "
-        "CUDA graph; 2048 where that leaves under 384.")
+        "CUDA graph; 4096 where that leaves under 384.")
     overlap_steps: bool | None = Field(
         default=None, description="Launch each engine step before the previous one's tokens are read back, so the "
         "host plans and launches the next step while the GPU runs this one. Steps run one at a time while a running "
@@ -113,7 +115,8 @@ class EngineConfig:
             object.__setattr__(self, "overlap_steps", self.tensor_parallel_size == 1)
         if self.max_prefill_tokens_per_step is None:
             room = self.max_graph_tokens - self.max_batch_size
-            object.__setattr__(self, "max_prefill_tokens_per_step", room if room >= MIN_GRAPH_PREFILL_TOKENS else 2048)
+            object.__setattr__(self, "max_prefill_tokens_per_step", room if room >= MIN_GRAPH_PREFILL_TOKENS
+                               else EAGER_PREFILL_TOKENS)
         if self.num_slots is not None and self.adapter_memory_bytes is not None:
             raise ValueError(f"set num_slots ({self.num_slots}) or adapter_memory_bytes ({self.adapter_memory_bytes}), "
                              "not both")

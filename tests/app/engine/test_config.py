@@ -10,8 +10,8 @@ def budget(**fields) -> int:
 def test_the_prefill_budget_is_the_graph_room_unless_that_fills_a_large_batch_too_slowly():
     assert budget(max_batch_size=32) == 480  # steps that prefill replay the 512-token graph
     assert budget(max_batch_size=128) == 384
-    assert budget(max_batch_size=256) == 2048  # 256 tokens a step: eager steps of 2048 instead
-    assert budget(max_batch_size=32, max_graph_tokens=0) == 2048
+    assert budget(max_batch_size=256) == 4096  # 256 tokens a step: eager steps of 4096 instead
+    assert budget(max_batch_size=32, max_graph_tokens=0) == 4096
     assert budget(max_batch_size=256, max_prefill_tokens_per_step=100) == 100
 
 

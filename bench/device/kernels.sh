@@ -7,12 +7,9 @@
 #   bash bench/device/kernels.sh                     # attention, then LoRA (~3 min)
 #   SWEEP=1 bash bench/device/kernels.sh             # also other split counts and tile configs per case
 #   KERNELS=fp8 bash bench/device/kernels.sh         # the base GEMMs in FP8 against bf16 (bench.kernel.fp8)
-#   KERNELS=fp8-epilogue bash bench/device/kernels.sh  # the FP8 GEMM with scales in its epilogue, per tiling, against
-#                                                      # the two-kernel path (bench.kernel.fp8 --epilogue-sweep)
 #   KERNELS=grammar WHEELS=.whl-grammar bash bench/device/kernels.sh
-# KERNEL_S (280 s each), SWEEP_S (150: no M of the epilogue sweep starts later). Results: bench/results/
-# <slug>-attention-kernels.json, <slug>-lora-kernels.json, <slug>-fp8-gemm.json, <slug>-fp8-epilogue-gemm.json,
-# <slug>-grammar-libs.json, copied to $OUT.
+# KERNEL_S (280 s each). Results: bench/results/<slug>-attention-kernels.json, <slug>-lora-kernels.json,
+# <slug>-fp8-gemm.json, <slug>-grammar-libs.json, copied to $OUT.
 source bench/device/setup.sh
 sweep=(); [ "${SWEEP:-0}" = 1 ] && sweep=(--sweep)
 files=()
@@ -24,12 +21,9 @@ for kernel in ${KERNELS:-attention lora}; do
         files+=("bench/results/$SLUG-lora-kernels.json") ;;
   fp8) timeout "${KERNEL_S:-280}" python3 -m bench.kernel.fp8 2>&1 | quiet
        files+=("bench/results/$SLUG-fp8-gemm.json") ;;
-  fp8-epilogue) timeout "${KERNEL_S:-280}" python3 -m bench.kernel.fp8 --epilogue-sweep --sweep-s "${SWEEP_S:-150}" \
-                  2>&1 | quiet
-                files+=("bench/results/$SLUG-fp8-epilogue-gemm.json") ;;
   grammar) timeout "${KERNEL_S:-280}" python3 -m bench.kernel.grammar 2>&1 | quiet | tail -12
            files+=("bench/results/$SLUG-grammar-libs.json") ;;
-  *) echo "unknown kernel $kernel (attention, lora, fp8, fp8-epilogue, grammar)"; exit 2 ;;
+  *) echo "unknown kernel $kernel (attention, lora, fp8, grammar)"; exit 2 ;;
   esac
 done
 bring_back kernels "${files[@]}"

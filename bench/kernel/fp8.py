@@ -10,13 +10,6 @@ M); `fp8_torch_quantization` (the row-wise GEMM after quantize_rows' seven plain
 quantized operands: `gemm_rowwise`, `gemm_tensorwise` (bf16 out), `gemm_tensorwise_float32`; `quantization` (the
 fused quantization alone).
 floor_ms: the weights' bytes (bf16, or FP8 plus its scales) over the HBM read rate measured in the same run.
-
-`--epilogue-sweep` times, per linear group and M up to 128, on quantized inputs, fp8_linear's small-batch path (the
-tensor-wise GEMM into float32, then the fused rescale) against app.model.kernels.fp8.scaled_gemm (the scales and
-the bias in the GEMM's epilogue) at each tiling of SWEEP_CONFIGS (some with partial sums promoted to float32), each
-over the group's 32 layers in one CUDA graph, with the largest difference of each tiling's output from the
-two-kernel path's (relative to its largest magnitude).
-Written as <slug>-fp8-epilogue-gemm.json; --sweep-s bounds it (the M values left are skipped).
 """
 
 from __future__ import annotations
@@ -30,19 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from app.model.fp8 import Fp8Weight, fp8_linear, quantize_rows
-from app.model.kernels.fp8 import GemmConfig, quantize_rows_fused, scaled_gemm
+from app.model.kernels.fp8 import quantize_rows_fused
 from bench.common import RESULTS, write_result
 from bench.kernel.lora import hbm_read_rate, median_ms
 
 GROUPS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 LAYERS = 32
 TOKENS = [1, 16, 32, 64, 128, 256, 512, 2048]
-SWEEP_TOKENS = [32, 1, 16, 128, 64]  # in the order they are swept: the decode batches that matter most first
-SWEEP_CONFIGS = [GemmConfig(block_n=n, block_k=k, num_warps=8 if n == 128 else 4, num_stages=stages)
-                 for n in (16, 32, 64, 128) for k in (128, 256) for stages in (3, 5)]
-# The groups' fastest tilings at up to 64 tokens on an H200, again with partial sums promoted to float32
-SWEEP_CONFIGS += [GemmConfig(block_n=n, block_k=k, num_stages=stages, promote_every=every)
-                  for n, k, stages in ((64, 256, 5), (32, 256, 5), (64, 128, 3)) for every in (64, 128)]
 
 
 def rowwise_linear(x, weight: Fp8Weight, quantize=quantize_rows_fused):
@@ -104,49 +91,9 @@ def run(rate: float) -> list[dict]:
     return lines
 
 
-def epilogue_sweep(rate: float, deadline: float) -> list[dict]:
-    """One line per (M, group): the two-kernel path's time, each tiling's time and difference, the best tiling."""
-    weights = {name: [Fp8Weight.quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda").mul_(0.02))
-                      for _ in range(LAYERS)] for name, (k, n) in GROUPS.items()}
-    lines = []
-    for m in SWEEP_TOKENS:
-        if time.monotonic() > deadline:
-            print(f"M={m}: skipped, the sweep's time is up", flush=True)
-            continue
-        for name, (k, n) in GROUPS.items():
-            layers = weights[name]
-            q, scale = quantize_rows_fused(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
-            x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")  # read for its shape and dtype alone
-            reference = fp8_linear(x, layers[0], quantized=(q, scale)).float()
-            line = dict(tokens=m, group=name, floor_ms=sum(w.nbytes() for w in layers) / rate * 1e3,
-                        two_kernels_ms=graph_ms(lambda: [fp8_linear(x, w, quantized=(q, scale)) for w in layers]),
-                        configs=[])
-            for config in SWEEP_CONFIGS:
-                try:
-                    got = scaled_gemm(q, scale, layers[0].q, layers[0].scale, None, torch.bfloat16, config).float()
-                    ms = graph_ms(lambda: [scaled_gemm(q, scale, w.q, w.scale, None, torch.bfloat16, config)
-                                           for w in layers])
-                except Exception as e:  # noqa: BLE001 - a tiling past the SM's resources: recorded, not fatal
-                    line["configs"].append(dict(config=vars(config), error=f"{type(e).__name__}: {e}"[:200]))
-                    continue
-                difference = ((got - reference).abs().max() / reference.abs().max()).item()
-                line["configs"].append(dict(config=vars(config), ms=ms, difference=difference))
-            timed = [c for c in line["configs"] if "ms" in c and c["difference"] < 2 ** -6]
-            if timed:
-                best = min(timed, key=lambda c: c["ms"])
-                line.update(best_ms=best["ms"], best_config=best["config"],
-                            best_over_two_kernels=best["ms"] / line["two_kernels_ms"],
-                            best_over_floor=best["ms"] / line["floor_ms"])
-            print({key: value for key, value in line.items() if key != "configs"}, flush=True)
-            lines.append(line)
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--epilogue-sweep", action="store_true", help="scaled_gemm's tilings against fp8_linear's")
-    parser.add_argument("--sweep-s", type=float, default=150.0, help="no new M starts after this many seconds")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         sys.exit("bench.kernel.fp8 needs a GPU with FP8 tensor cores")
@@ -154,13 +101,8 @@ def main() -> None:
     started = time.perf_counter()
     rate = hbm_read_rate()
     print(f"HBM read rate {rate / 1e9:.0f} GB/s", flush=True)
-    if args.epilogue_sweep:
-        lines = epilogue_sweep(rate, time.monotonic() + args.sweep_s)
-        name = "fp8-epilogue-gemm"
-    else:
-        lines = run(rate)
-        name = "fp8-gemm"
-    path = write_result(name, dict(hbm_read_gbps=rate / 1e9, layers=LAYERS, groups=GROUPS, lines=lines,
+    lines = run(rate)
+    path = write_result("fp8-gemm", dict(hbm_read_gbps=rate / 1e9, layers=LAYERS, groups=GROUPS, lines=lines,
                                    seconds=time.perf_counter() - started), args.out_dir)
     print(f"wrote {path}")
 

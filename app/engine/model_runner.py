@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from app.engine.cuda_graphs import CudaGraphs, DecodeGraph, graph_buckets
+from app.engine.cuda_graphs import CudaGraphs, DecodeGraph, fill_tables, graph_buckets
 from app.engine.kv_blocks import BlockManager
 from app.engine.scheduler import StepPlan
 from app.engine.step_inputs import StepInputs
@@ -100,8 +100,7 @@ class ModelRunner:
             # Full width, as in the graphs: Triton specializes the decode kernel on the table's width and
             # stride, so a width that followed the longest row would compile new variants mid-serving.
             decode_tables = torch.zeros(nd, self.max_blocks, dtype=torch.int32)
-            for i, table in enumerate(inputs.decode_tables):
-                decode_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            fill_tables(decode_tables, inputs.decode_tables)
             decode_tables = decode_tables.to(dev)
         self.attention.meta = AttentionMetadata(
             slot_mapping=t(inputs.slot_mapping), num_decode=nd, decode_block_tables=decode_tables,

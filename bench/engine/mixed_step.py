@@ -30,14 +30,14 @@ def main():
     parser.add_argument("--distinct", type=int, default=8, help="adapters the rows cycle through (0: the base model)")
     parser.add_argument("--rows", type=int, default=30, help="cProfile rows")
     parser.add_argument("--max-graph-tokens", type=int, default=0, help="replay steps of up to this many tokens "
-                        "in graphs (the engine's default is 512; 0: eager, as before)")
+                        "in graphs (the engine's default is 512; 0: eager)")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="also a torch.profiler table of the step's kernels")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
     # max_batch_size counts every running request, the prefilling ones too (as in the engine)
-    ns = argparse.Namespace(shape="llama-3-8b", quantization=None, layers=32, rank=16, slots=64, batches=[args.decode + n_prompts],
-                            prefill_tokens=n_prompts * prompt_len,
+    ns = argparse.Namespace(shape="llama-3-8b", quantization=None, layers=32, rank=16, slots=64,
+                            batches=[args.decode + n_prompts], prefill_tokens=n_prompts * prompt_len,
                             context=args.context, compile=args.compile,
                             max_graph_tokens=args.max_graph_tokens)
     model, lora, blocks, runner, *_ = build(ns, torch.device("cuda"))

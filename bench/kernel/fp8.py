@@ -103,7 +103,7 @@ def main() -> None:
     print(f"HBM read rate {rate / 1e9:.0f} GB/s", flush=True)
     lines = run(rate)
     path = write_result("fp8-gemm", dict(hbm_read_gbps=rate / 1e9, layers=LAYERS, groups=GROUPS, lines=lines,
-                                   seconds=time.perf_counter() - started), args.out_dir)
+                                         seconds=time.perf_counter() - started), args.out_dir)
     print(f"wrote {path}")
 
 

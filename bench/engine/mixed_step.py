@@ -27,7 +27,9 @@ def main():
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--prefill", default="4x512", help="prompts x tokens")
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--distinct", type=int, default=8, help="adapters the rows cycle through (0: the base model)")
+    parser.add_argument("--distinct", type=int, nargs="+", default=[8],
+                        help="adapters the rows cycle through (0: the base model); several: one step each, in turn")
+    parser.add_argument("--slots", type=int, default=64, help="the adapter pool's slots (the throughput runs': 32)")
     parser.add_argument("--rows", type=int, default=30, help="cProfile rows")
     parser.add_argument("--max-graph-tokens", type=int, default=0, help="replay steps of up to this many tokens "
                         "in graphs (the engine's default is 512; 0: eager)")
@@ -36,22 +38,29 @@ def main():
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
     # max_batch_size counts every running request, the prefilling ones too (as in the engine)
-    ns = argparse.Namespace(shape="llama-3-8b", quantization=None, layers=32, rank=16, slots=64,
+    ns = argparse.Namespace(shape="llama-3-8b", quantization=None, layers=32, rank=16, slots=args.slots,
                             batches=[args.decode + n_prompts], prefill_tokens=n_prompts * prompt_len,
                             context=args.context, compile=args.compile,
                             max_graph_tokens=args.max_graph_tokens)
     model, lora, blocks, runner, *_ = build(ns, torch.device("cuda"))
-    slot = lambda i: i % args.distinct if args.distinct else None  # noqa: E731
-    decode = [Seq(f"d{i}", [1] * args.context, slot(i)) for i in range(args.decode)]
+    decode = [Seq(f"d{i}", [1] * args.context, None) for i in range(args.decode)]
     for s in decode:
         blocks.allocate(s.request_id, args.context + 1)
         s.num_cached, s.output_ids = args.context, [1]
-    prompts = [Seq(f"p{i}", list(range(100, 100 + prompt_len)), slot(i)) for i in range(n_prompts)]
+    prompts = [Seq(f"p{i}", list(range(100, 100 + prompt_len)), None) for i in range(n_prompts)]
     for s in prompts:
         blocks.allocate(s.request_id, prompt_len)
     plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in decode],
                     prefill=[Chunk(s, 0, prompt_len) for s in prompts])
+    for distinct in args.distinct:
+        for i, s in enumerate(decode):
+            s.slot = i % distinct if distinct else None
+        for i, s in enumerate(prompts):
+            s.slot = i % distinct if distinct else None
+        measure(runner, plan, args, distinct)
 
+
+def measure(runner, plan: StepPlan, args, distinct: int) -> None:
     def step():
         runner.execute(plan)
         torch.cuda.synchronize()
@@ -69,9 +78,12 @@ def main():
         runner.execute(plan)
         launch.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {args.distinct} adapters, "
-          f"{'graph' if runner.mixed_replays else 'eager'}: wall {wall:.1f} ms, GPU {gpu:.1f} ms, host launch "
-          f"{sorted(launch)[2]:.1f} ms", flush=True)
+    replays = runner.mixed_replays
+    runner.execute(plan)
+    torch.cuda.synchronize()
+    mode = "graph" if runner.mixed_replays > replays else "eager"
+    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {distinct} adapters, {mode}: wall "
+          f"{wall:.1f} ms, GPU {gpu:.1f} ms, host launch {sorted(launch)[2]:.1f} ms", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(3):
@@ -81,7 +93,8 @@ def main():
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
     print(text.getvalue())
     if args.kernels:
-        profile_table(step, "mixed step", sort_by=("self_cuda_time_total", "self_cpu_time_total"))
+        profile_table(step, f"mixed step, {distinct} adapters", sort_by=("self_cuda_time_total",
+                                                                         "self_cpu_time_total"))
 
 
 if __name__ == "__main__":

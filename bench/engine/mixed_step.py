@@ -18,6 +18,7 @@ import time
 import torch
 
 from app.engine.scheduler import Chunk, StepPlan
+from app.model.kernels import lora as lora_kernels
 from bench.common import timed_ms
 from bench.engine.decode import Seq, build, profile_table
 
@@ -34,9 +35,12 @@ def main():
     parser.add_argument("--max-graph-tokens", type=int, default=0, help="replay steps of up to this many tokens "
                         "in graphs (the engine's default is 512; 0: eager)")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--decode-t-max", type=int, default=lora_kernels.DECODE_T_MAX,
+                        help="steps and buckets of up to this many tokens run the LoRA kernels' decode config")
     parser.add_argument("--kernels", action="store_true", help="also a torch.profiler table of the step's kernels")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
+    lora_kernels.DECODE_T_MAX = args.decode_t_max
     # max_batch_size counts every running request, the prefilling ones too (as in the engine)
     ns = argparse.Namespace(shape="llama-3-8b", quantization=None, layers=32, rank=16, slots=args.slots,
                             batches=[args.decode + n_prompts], prefill_tokens=n_prompts * prompt_len,

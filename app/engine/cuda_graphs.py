@@ -32,6 +32,13 @@ TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # above max_batch_size: steps t
 # once: beyond this many context tokens over a step's prefill rows (a 512-token prompt has 131k), that reading
 # (4 KB per token and layer at Llama-3-8B shapes) outgrows the host time a replay saves (a bound set by estimate).
 MAX_GRAPH_PREFILL_CONTEXT = 1 << 17
+# The LoRA kernels' tiles in every bucket: the decode config, whose grids give each segment of at most one M tile a
+# program, a slot's rows being cut into such segments. A bucket's rows are decode rows and a few prompt chunks (see
+# above), which the prefill config, striding a segment's tiles over programs along M, runs slower: its programs sit
+# idle for the many short segments of decode rows. One H200, 127 decode rows at context 512 over 32 adapters and a
+# 384-token chunk, in the 512-token graph: 22.1 ms with the decode config, 25.9 with the prefill config, 19.7 for
+# the base model (bench/results/h200-x1-mixed-step-lora-config.log).
+GRAPH_LORA = lora_kernels.DECODE
 
 
 def buckets_up_to(max_batch_size: int) -> list[int]:
@@ -115,7 +122,7 @@ class CudaGraphs:
         pending inputs from `previous`, the sampled tokens of the step before."""
         pad = [0] * (batch - inputs.num_decode)
         s_cap = self._segment_cap(batch)
-        order, starts, slots = segments(inputs.token_slots, batch, s_cap, segment_rows(batch))
+        order, starts, slots = segments(inputs.token_slots, batch, s_cap, GRAPH_LORA.block_m)
         sample = inputs.logits_index + [0] * (self.max_batch_size - len(inputs.logits_index))
         pending_at, pending_rows = [i for i, _ in inputs.pending], [row for _, row in inputs.pending]
         values = (inputs.input_ids + pad + inputs.positions + pad + inputs.slot_mapping + pad
@@ -209,7 +216,7 @@ class CudaGraphs:
             use_kernel=True)
         s_cap = self._segment_cap(batch)
         self.lora.ctx.meta = LoRAMetadata(self.static_order[:batch], self.static_starts[:s_cap + 1],
-                                          self.static_slots[:s_cap]) if lora else None
+                                          self.static_slots[:s_cap], GRAPH_LORA) if lora else None
         return workspace
 
     def _static_forward(self, batch: int) -> torch.Tensor:
@@ -221,20 +228,11 @@ class CudaGraphs:
         return self.model.lm_head(hidden)
 
 
-def segment_rows(batch: int) -> int | None:
-    """Rows per LoRA segment in a bucket of `batch` rows: one M tile of the decode kernels, whose grids give each
-    segment one program, so that rows of one adapter spread over programs; the prefill config strides a segment's
-    tiles over programs of its own."""
-    config = lora_kernels.pick_config(batch)
-    return config.block_m if config.m_programs == 1 else None
-
-
 def segment_cap(batch: int, max_batch_size: int, num_slots: int) -> int:
     """The LoRA segments a bucket's kernels are launched for: one per adapter in the step, which has at most one per
-    request and one per slot of the pool, and one more per M tile where segments are capped. Every segment past the
-    step's own is a program that starts and exits: the fewer, the shorter the launch."""
-    rows = segment_rows(batch)
-    return min(batch, min(max_batch_size, num_slots) + (-(-batch // rows) if rows else 0))
+    request and one per slot of the pool, and one more per M tile (`GRAPH_LORA`'s segments hold one tile at most).
+    Every segment past the step's own is a program that starts and exits: the fewer, the shorter the launch."""
+    return min(batch, min(max_batch_size, num_slots) + -(-batch // GRAPH_LORA.block_m))
 
 
 def fill_tables(tables: torch.Tensor, rows: list[list[int]]) -> None:

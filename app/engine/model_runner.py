@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -110,9 +111,7 @@ class ModelRunner:
             use_kernel=self.use_kernel)
         if inputs.prefill_lens and self.use_varlen:
             self._set_varlen(inputs)
-        # Eager: exactly one segment per distinct adapter (the kernels' grids scale with the segment count).
-        distinct = len({slot for slot in inputs.token_slots if slot >= 0})
-        self._set_lora(inputs.token_slots, len(inputs.token_slots), distinct)
+        self._set_lora(inputs.token_slots)
         input_ids = t(inputs.input_ids)
         if inputs.pending:
             at, rows = zip(*inputs.pending)
@@ -163,13 +162,20 @@ class ModelRunner:
         meta.prefill_cu_q = torch.tensor(inputs.prefill_query_starts, dtype=torch.int32).to(self.device)
         meta.prefill_cu_k = torch.tensor(cu_k, dtype=torch.int32).to(self.device)
 
-    def _set_lora(self, token_slots: list[int], t_cap: int, s_cap: int) -> None:
-        if all(s < 0 for s in token_slots):
+    def _set_lora(self, token_slots: list[int]) -> None:
+        """The step's LoRA segments, exactly as many as it needs (the kernels' grids scale with the segment count):
+        one per adapter, or, where the step's size picks the decode config, one per M tile of each adapter's rows,
+        as that config gives a segment one program."""
+        rows_of = Counter(slot for slot in token_slots if slot >= 0)
+        if not rows_of:
             self.lora.ctx.meta = None
             return
-        order, starts, slots = segments(token_slots, t_cap, s_cap)
+        config = lora_kernels.pick_config(len(token_slots))
+        rows = config.block_m if config.m_programs == 1 else None
+        s_cap = sum(-(-n // rows) for n in rows_of.values()) if rows else len(rows_of)
+        order, starts, slots = segments(token_slots, len(token_slots), s_cap, rows)
         t = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots))
+        self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots), config)
 
     def shutdown(self) -> None:
         if self.workers is not None:

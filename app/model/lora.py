@@ -35,6 +35,7 @@ class LoRAMetadata:
     token_order: torch.Tensor  # [T_cap] int32: token indices grouped by segment
     seg_starts: torch.Tensor  # [S_cap + 1] int32
     seg_slots: torch.Tensor  # [S_cap] int32, -1: no adapter
+    config: kernels.KernelConfig | None = None  # the kernels' tiles; None: picked by T_cap (`pick_config`)
 
 
 def segments(token_slots: list[int], t_cap: int, s_cap: int,
@@ -124,15 +125,17 @@ class LoRAContext:
             return y
         if not self.overlap:
             y = base_linear(x, weight, bias, quantized)
-            kernels.lora_group_apply(y.view(-1, y.shape[-1]), x2, group, self.scales, *tables, self.workspace)
+            kernels.lora_group_apply(y.view(-1, y.shape[-1]), x2, group, self.scales, *tables, self.workspace,
+                                     meta.config)
             return y
         main = torch.cuda.current_stream()
         self.side_stream.wait_stream(main)
         with torch.cuda.stream(self.side_stream):
-            splits = kernels.lora_shrink(x2, group, *tables, self.workspace)
+            splits = kernels.lora_shrink(x2, group, *tables, self.workspace, meta.config)
         y = base_linear(x, weight, bias, quantized)
         main.wait_stream(self.side_stream)
-        kernels.lora_expand(y.view(-1, y.shape[-1]), group, self.scales, *tables, self.workspace, splits)
+        kernels.lora_expand(y.view(-1, y.shape[-1]), group, self.scales, *tables, self.workspace, splits,
+                            meta.config)
         return y
 
 

@@ -36,7 +36,7 @@ def main():
                         "in graphs (the engine's default is 512; 0: eager)")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--decode-t-max", type=int, default=lora_kernels.DECODE_T_MAX,
-                        help="steps and buckets of up to this many tokens run the LoRA kernels' decode config")
+                        help="eager steps of up to this many tokens run the LoRA kernels' decode config")
     parser.add_argument("--kernels", action="store_true", help="also a torch.profiler table of the step's kernels")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))

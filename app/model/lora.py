@@ -38,13 +38,13 @@ class LoRAMetadata:
     config: kernels.KernelConfig | None = None  # the kernels' tiles; None: picked by T_cap (`pick_config`)
 
 
-def segments(token_slots: list[int], t_cap: int, s_cap: int,
+def segments(token_slots: list[int], t_cap: int, s_cap: int | None,
              max_rows: int | None = None) -> tuple[list[int], list[int], list[int]]:
     """Group token indices by slot (-1 = base): (token_order [t_cap], seg_starts [s_cap + 1], seg_slots [s_cap]).
     Base tokens are left out; unused entries are padding (empty segments of slot -1). With max_rows, a slot's
     tokens form segments of at most that many rows, so that one adapter's many rows run in as many programs
     (the decode kernels give a segment one program, which would loop over its tiles one after another);
-    s_cap must then hold that many segments (at most one per token)."""
+    s_cap must then hold that many segments (at most one per token). s_cap None: exactly the segments there are."""
     by_slot: dict[int, list[int]] = {}
     for t, slot in enumerate(token_slots):
         if slot >= 0:
@@ -56,6 +56,8 @@ def segments(token_slots: list[int], t_cap: int, s_cap: int,
             order += tokens[i:i + step]
             starts.append(len(order))
             slots.append(slot)
+    if s_cap is None:
+        s_cap = len(slots)
     assert len(slots) <= s_cap, f"{len(slots)} segments > {s_cap}"
     pad = s_cap - len(slots)
     return order + [0] * (t_cap - len(order)), starts + [len(order)] * pad, slots + [-1] * pad

@@ -28,6 +28,8 @@ def test_segments_of_at_most_max_rows_split_one_adapter_s_rows():
     assert starts == [0, 2, 4, 5, 6, 6, 6] and slots == [2, 2, 2, 0, -1, -1]
     with pytest.raises(AssertionError, match="4 segments > 3"):
         segments([2, -1, 2, 2, 0, 2, 2], t_cap=8, s_cap=3, max_rows=2)
+    order, starts, slots = segments([2, -1, 2, 2, 0, 2, 2], t_cap=7, s_cap=None, max_rows=2)  # no padding
+    assert order == [0, 2, 3, 5, 6, 4, 0] and starts == [0, 2, 4, 5, 6] and slots == [2, 2, 2, 0]
 
 
 def test_wrapped_linear_equals_the_per_token_loop_with_mixed_ranks():

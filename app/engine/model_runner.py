@@ -164,12 +164,12 @@ class ModelRunner:
     def _set_lora(self, token_slots: list[int]) -> None:
         """The step's LoRA segments, exactly as many as it needs (the kernels' grids scale with the segment count):
         one per adapter, or, where the step's size picks the decode config, one per M tile of each adapter's rows,
-        as that config gives a segment one program."""
+        as that config gives a segment one program (on CUDA; the CPU path takes an adapter's rows at once)."""
         if all(slot < 0 for slot in token_slots):
             self.lora.ctx.meta = None
             return
         config = lora_kernels.pick_config(len(token_slots))
-        rows = config.block_m if config.m_programs == 1 else None
+        rows = config.block_m if config.m_programs == 1 and self.lora.ctx.use_kernel else None
         order, starts, slots = segments(token_slots, len(token_slots), None, rows)
         t = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
         self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots), config)

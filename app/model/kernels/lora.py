@@ -1,6 +1,6 @@
 """Segmented multi-adapter LoRA (the SGMV idea of Punica) over paged adapter memory: a shrink and an
-expand kernel in Triton, next to `lora_reference`, the plain-torch loop they replace (and the CPU path of
-the engine). This module holds their launch configs and launchers; the Triton programs themselves are in
+expand kernel in Triton, next to `lora_reference`, the plain-torch loop they replace (which the engine's CPU
+path, `host_lora` in app/model/lora.py, computes alike over segments it reads once a step). This module holds their launch configs and launchers; the Triton programs themselves are in
 app/model/kernels/lora_triton.py.
 
     # Per-step metadata, shared by every layer of one forward:

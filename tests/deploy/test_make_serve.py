@@ -1,15 +1,24 @@
-"""`make serve`'s HAProxy against hostile clients and local users (deploy/haproxy.py). Clients that send part of
-their headers and stall, or trickle them a line at a time, fill every connection slot and are dropped after the
-client timeout or the header timeout, so a normal request goes through within it instead of waiting for an hour;
-one client address cannot hold more than its share of the slots. The client timeout does not cut a long
-completion: it applies only while HAProxy waits for the client. The admin socket is closed to other users, and
-the stats page and metrics exporter listen on localhost. The test shrinks HAProxy's slots and timeouts to run
-quickly. The stalled clients come from distinct loopback addresses (127.0.0.2, ...), as from many machines. The app
-runs as `make serve` runs it, and Ctrl-C stops it, idle, within 5 s, HAProxy included."""
+"""`make serve` (`python -m deploy serve`) as a user runs it, in one app's life.
+
+It starts again after it was killed without a graceful shutdown (SIGKILL): Serve's HAProxy outlives the cluster and
+keeps the ports, and deploy/preflight.py ends it before the next start. Each start says when the app answers. A port
+held by any other process stops the start at once with a message naming it.
+
+Its HAProxy stands against hostile clients and local users (deploy/haproxy.py). Clients that send part of their
+headers and stall, or trickle them a line at a time, fill every connection slot and are dropped after the client
+timeout or the header timeout, so a normal request goes through within it instead of waiting for an hour; one client
+address cannot hold more than its share of the slots. The client timeout does not cut a long completion: it applies
+only while HAProxy waits for the client. The admin socket is closed to other users, and the stats page and metrics
+exporter listen on localhost. The app runs with HAProxy's slots and timeouts shrunk, to run quickly; the stalled
+clients come from distinct loopback addresses (127.0.0.2, ...), as from many machines.
+
+Ctrl-C, last, with requests in flight lets them finish, says so in one line, and stops within seconds of the last
+one, HAProxy included, saying when it is done."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +26,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +38,8 @@ from web import HTTP
 
 pytestmark = pytest.mark.skipif(not haproxy.available(), reason="no HAProxy binary on this machine")
 SLOTS, CLIENT_TIMEOUT_S, HEADER_TIMEOUT_S, PER_SOURCE = 40, 1, 2, 20
-IDLE_STOP_S = 5
+STOP_S = 5  # from the last request's end to the stopped app, HAProxy included
+STREAMS = 8  # together several seconds of decoding: in flight when Ctrl-C comes
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +47,36 @@ def ports() -> list[int]:
     return free_ports(3)  # HTTP, HAProxy's stats page, its metrics exporter
 
 
+def _start(config: Path, env: dict, log: Path) -> subprocess.Popen:
+    """What `make serve` runs: the checks, then `serve run` (which starts its own local cluster) as a child, both
+    in a process group of their own, as a terminal would hold them."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "deploy", "serve", str(config)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _ready_lines(log: Path) -> list[str]:
+    """The start's ready lines that name the base model's adapter, one replica and the docs."""
+    return [line for line in log.read_text().splitlines()
+            if line.startswith("ready: ") and "1 adapters, 1 replica;" in line and "/docs" in line]
+
+
+def _answers(port: int) -> bool:
+    response = HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+    return response.status_code == 200 and "pirate" in response.text
+
+
+class Served:
+    """The app of the second start, after the first was killed; `process` is that start's `make serve`."""
+
+    def __init__(self, url: str, process: subprocess.Popen, log: Path, orphans: list):
+        self.url, self.process, self.log, self.orphans = url, process, log, orphans
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, demo_dir, ports):
-    tmp = tmp_path_factory.mktemp("slowloris")
+def started(tmp_path_factory, demo_dir, ports):
+    """`make serve`, killed with SIGKILL once its app answers, then started again: the second start's app."""
+    tmp = tmp_path_factory.mktemp("make_serve")
     http, stats, metrics = ports
     config = write_serve_config(tmp / "serve_config.yaml", http,
                                 {"base_model": str(demo_dir / "base"), "adapter_roots": [str(demo_dir / "adapters")],
@@ -48,26 +86,51 @@ def served(tmp_path_factory, demo_dir, ports):
            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats), "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
            "RAY_SERVE_HAPROXY_MAXCONN": str(SLOTS), "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_TIMEOUT_S),
            haproxy.HTTP_REQUEST_TIMEOUT_ENV: str(HEADER_TIMEOUT_S), haproxy.PER_SOURCE_ENV: str(PER_SOURCE)}
-    with open(tmp / "serve.log", "ab") as log:  # what `make serve` runs, in a process group as a terminal holds it
-        process = subprocess.Popen([sys.executable, "-m", "deploy", "serve", str(config)], env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+    log = tmp / "serve.log"
+    first = _start(config, env, log)
+    second = None
     try:
-        wait_for(lambda: HTTP.get(f"http://127.0.0.1:{http}/v1/models", timeout=5).status_code == 200, 240,
-                 what="the app answers")
-        yield f"http://127.0.0.1:{http}"
-        asked = time.monotonic()
-        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in its terminal, nothing in flight
-        process.wait(timeout=60)
-        stopped_s = time.monotonic() - asked
-        print(f"Ctrl-C stopped the idle app in {stopped_s:.1f} s")
-        assert "\nstopping" in (tmp / "serve.log").read_text()
-        assert stopped_s <= IDLE_STOP_S and not any(preflight.holders(port) for port in ports)
+        wait_for(lambda: len(_ready_lines(log)) >= 1, 240, what="the first start says it is ready")
+        assert _answers(http)
+        for pid in [first.pid, *map(int, subprocess.check_output(["pgrep", "-P", str(first.pid)]).split())]:
+            os.kill(pid, signal.SIGKILL)  # `make serve` and its `serve run`, without their shutdown
+        first.wait(timeout=30)
+        orphans = [h for h in preflight.holders(http) if h.pid is not None]
+        second = _start(config, env, log)  # the preflight ends what the first start left behind
+        wait_for(lambda: len(_ready_lines(log)) >= 2, 240, what="the second start says it is ready")
+        yield Served(f"http://127.0.0.1:{http}", second, log, orphans)
     finally:
-        stop_serve_run(process)
-        for port in (http, stats, metrics):
+        for process in (second, first):
+            if process is not None:
+                stop_serve_run(process)
+        for port in ports:
             for holder in preflight.holders(port):
                 if holder.is_orphaned_serve_haproxy:
                     os.kill(holder.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def served(started) -> str:
+    return started.url
+
+
+def test_make_serve_starts_again_after_serve_run_was_killed(started):
+    print(f"after SIGKILL the HTTP port was held by {started.orphans}")
+    assert _answers(int(started.url.rsplit(":", 1)[1]))
+    assert "Address already in use" not in started.log.read_text()
+
+
+def test_a_port_held_by_another_program_stops_the_start_with_its_pid(tmp_path):
+    [port] = free_ports(1)
+    config = write_serve_config(tmp_path / "serve_config.yaml", port, {}, [])
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        start = time.monotonic()
+        check = subprocess.run([sys.executable, "-m", "deploy.preflight", str(config)], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"})
+    assert check.returncode == 1 and time.monotonic() - start < 30
+    assert f":{port} is held by pid {os.getpid()}" in check.stderr and "serve shutdown" in check.stderr
 
 
 PARTIAL = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app"  # and never the rest
@@ -203,3 +266,36 @@ def test_a_completion_longer_than_the_client_timeout_is_not_cut(served, long_tok
     assert response.status_code == 200, text
     assert elapsed > CLIENT_TIMEOUT_S, f"{long_tokens} tokens took {elapsed:.1f} s: the timeout was never tested"
     assert text.count('"index"') >= 12 if not stream else text.rstrip().endswith("data: [DONE]")
+
+
+def _stream(url: str, lines: list[str], ended: list[float]) -> None:
+    """A completion of 400 tokens, streamed; its lines go to `lines` as they arrive, its end time to `ended`."""
+    body = {"model": "pirate", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+    ended.append(time.monotonic())
+
+
+def test_ctrl_c_lets_the_streams_in_flight_finish_then_stops_within_seconds(started, ports):
+    """Runs last: it stops the app."""
+    streams, ended = [[] for _ in range(STREAMS)], []
+    threads = [threading.Thread(target=_stream, args=(started.url, lines, ended)) for lines in streams]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: all(len(lines) >= 2 for lines in streams), 60, what="the streams have begun")
+    time.sleep(1.2)  # the replica reports its calls (within a second)
+    asked = time.monotonic()
+    os.killpg(started.process.pid, signal.SIGINT)  # Ctrl-C in its terminal
+    started.process.wait(timeout=60)
+    stopped = time.monotonic()
+    for thread in threads:
+        thread.join(60)
+    text = started.log.read_text()
+    print(f"Ctrl-C stopped it in {stopped - asked:.1f} s, {stopped - max(ended):.1f} s after the last stream ended")
+    assert re.search(r"^stopping: \d+ requests? in flight may finish first \(up to 30 s\)", text, re.M), text[-2000:]
+    assert all(lines[-1] == "data: [DONE]" for lines in streams), [lines[-2:] for lines in streams]
+    assert re.search(r"^stopped in \d+ s$", text, re.M), text[-2000:]
+    assert len(ended) == STREAMS and stopped - max(ended) <= STOP_S
+    assert not any(preflight.holders(port) for port in ports)

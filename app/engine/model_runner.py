@@ -8,6 +8,7 @@ flattened into one row ([1, T]: decode rows first, then prefill chunks; app/engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -125,24 +126,30 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_eager(self) -> None:
         """Eager steps at start-up, on the scratch block 0 and slot 0, that make Triton compile every variant
-        an eager step can need: the LoRA kernels' two tile configs (decode- and prefill-sized steps) and
+        an eager step can need: the LoRA kernels' two tile configs (decode- and prefill-sized steps), the
+        prefill tiles at each count of programs along M that a step's size can give (`prefill_m_programs`), and
         the decode attention at each split count the batch size can give. Compiled in the first requests'
         steps instead, they would stall those requests."""
         start, bs = time.perf_counter(), self.block_size
         steps = [(2, 8), (2, lora_kernels.DECODE_T_MAX + 8)]  # (decode rows, prefill tokens)
+        steps += [(0, rows) for m in lora_kernels.PREFILL_M_PROGRAMS[1:]
+                  if (rows := lora_kernels.prefill_rows(m)) <= self.lora.t_cap]
         if self.use_kernel:
             kv_heads = self.model.config.num_key_value_heads
             by_splits = {attention_kernels.num_kv_splits(b, kv_heads, self.max_blocks, bs, self.device): b
                          for b in range(1, self.max_batch_size + 1)}
             steps += [(b, 0) for b in by_splits.values()]
+        longest = self.max_blocks * bs  # a warm-up prompt is at most as long as the model allows
         for rows, length in steps:
-            positions = [0] * rows + list(range(length))
+            lengths = [min(longest, length - done) for done in range(0, length, longest)]
+            positions = [0] * rows + [p for n in lengths for p in range(n)]
             inputs = StepInputs(input_ids=[0] * len(positions), positions=positions,
                                 slot_mapping=[p % bs for p in positions], token_slots=[0] * len(positions),
                                 num_decode=rows, decode_tables=[[0]] * rows, decode_lens=[1] * rows,
-                                prefill_tables=[[0] * -(-length // bs)] if length else [],
-                                prefill_query_starts=[0, length] if length else [0],
-                                prefill_lens=[length] if length else [], logits_index=[len(positions) - 1])
+                                prefill_tables=[[0] * -(-n // bs) for n in lengths],
+                                prefill_query_starts=[sum(lengths[:i]) for i in range(len(lengths) + 1)]
+                                if lengths else [0],
+                                prefill_lens=lengths, logits_index=[len(positions) - 1])
             self.model.lm_head(self._forward_eager(inputs)[-1:])
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -171,6 +178,9 @@ class ModelRunner:
         config = lora_kernels.pick_config(len(token_slots))
         rows = config.block_m if config.m_programs == 1 and self.lora.ctx.use_kernel else None
         order, starts, slots = segments(token_slots, len(token_slots), None, rows)
+        if config.m_programs > 1:  # as many programs along M as the longest segment's tiles keep busy
+            longest = max(end - begin for begin, end in zip(starts, starts[1:]))
+            config = dataclasses.replace(config, m_programs=lora_kernels.prefill_m_programs(longest, config))
         t = lambda values: torch.tensor(values, dtype=torch.int32, device=self.device)  # noqa: E731
         self.lora.ctx.meta = LoRAMetadata(t(order), t(starts), t(slots), config)
 

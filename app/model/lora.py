@@ -317,6 +317,7 @@ class LoRASlots:
     def __init__(self, model: nn.Module, layout: PageLayout, num_pages: int, num_slots: int, t_cap: int):
         param = next(model.parameters())
         self.layout, self.num_pages, self.num_slots = layout, num_pages, num_slots
+        self.t_cap = t_cap  # the most tokens a step can have
         self.device, self.dtype = param.device, param.dtype
         use_kernel = self.device.type == "cuda" and kernels.triton is not None
         workspace = None

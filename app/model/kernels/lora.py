@@ -112,6 +112,23 @@ def pick_config(t_cap: int) -> KernelConfig:
     return DECODE if t_cap <= DECODE_T_MAX else PREFILL
 
 
+PREFILL_M_PROGRAMS = (4, 8, 16)
+
+
+def prefill_m_programs(rows: int, config: KernelConfig = PREFILL) -> int:
+    """Programs along M for an eager step whose longest segment has `rows` tokens: one per 4 of its M tiles, a
+    power of two within PREFILL_M_PROGRAMS. With 4, one adapter's 4096-token chunk leaves most of the GPU idle: its
+    LoRA took 19.4 ms over 32 layers on an H200, 11.2 with 16 programs, while 8 segments of 512 tokens run best
+    with 4 (`python -m bench.kernel.lora_prefill --distinct 1 2 8 --m-programs 8 16 32`)."""
+    tiles = -(-rows // config.block_m)
+    return min(PREFILL_M_PROGRAMS[-1], max(PREFILL_M_PROGRAMS[0], _next_pow2(-(-tiles // 4))))
+
+
+def prefill_rows(m_programs: int, config: KernelConfig = PREFILL) -> int:
+    """The fewest rows for which `prefill_m_programs` gives m_programs."""
+    return 1 if m_programs == PREFILL_M_PROGRAMS[0] else 2 * m_programs * config.block_m + 1
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

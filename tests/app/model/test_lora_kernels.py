@@ -2,6 +2,7 @@
 Triton shrink/expand against `lora_reference`: in Triton's CPU interpreter (tests/app/lora_interpret.py, when
 triton is importable) and on CUDA (marker `gpu`), eagerly and replayed under a CUDA graph with new metadata."""
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.model.kernels.lora import (DECODE, PREFILL, Group, KernelConfig, LoRAWorkspace, gather_rows, lora_group_reference,
-                              lora_reference)
+from app.model.kernels.lora import (DECODE, PREFILL, PREFILL_M_PROGRAMS, Group, KernelConfig, LoRAWorkspace, gather_rows,
+                                    lora_group_reference, lora_reference, prefill_m_programs, prefill_rows)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: xa is rounded to bf16 before the expand
@@ -307,6 +308,23 @@ def test_decode_rows_of_one_adapter_in_tile_sized_segments(shape):
     """A decode bucket of 128 rows, 120 on one adapter: the graphs give it segments of one M tile each."""
     segments = [(DECODE.block_m, 5)] * 7 + [(8, 5), (8, -1)]
     run_kernels(torch.bfloat16, *shape, 16, segments, t_cap=128, s_cap=128, seed=11, config=DECODE)
+
+
+def test_programs_along_m_grow_with_the_longest_segment():
+    assert [prefill_m_programs(rows) for rows in (1, 300, 1024, 1025, 2048, 2049, 4096, 65536)] == \
+        [4, 4, 4, 8, 8, 16, 16, 16]
+    for m in PREFILL_M_PROGRAMS:  # the warm-up's step sizes: the fewest rows that give each count
+        rows = prefill_rows(m)
+        assert prefill_m_programs(rows) == m and (rows == 1 or prefill_m_programs(rows - 1) < m)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m_programs", PREFILL_M_PROGRAMS)
+def test_one_long_segment_strided_over_the_programs_along_m(m_programs):
+    """An eager step's one long chunk of an adapter, its 33 M tiles strided over 4, 8 or 16 programs."""
+    run_kernels(torch.bfloat16, 4096, 1024, 16, [(2049, 3), (5, -1), (70, 4)], t_cap=2176, s_cap=4, seed=13,
+                config=dataclasses.replace(PREFILL, m_programs=m_programs))
 
 
 @pytest.mark.gpu

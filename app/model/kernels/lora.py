@@ -118,7 +118,7 @@ PREFILL_M_PROGRAMS = (4, 8, 16)
 def prefill_m_programs(rows: int, config: KernelConfig = PREFILL) -> int:
     """Programs along M for an eager step whose longest segment has `rows` tokens: one per 4 of its M tiles, a
     power of two within PREFILL_M_PROGRAMS. With 4, one adapter's 4096-token chunk leaves most of the GPU idle: its
-    LoRA took 19.4 ms over 32 layers on an H200, 11.2 with 16 programs, while 8 segments of 512 tokens run best
+    LoRA over 32 layers takes 19.4 ms on an H200, 11.2 with 16 programs, while 8 segments of 512 tokens run best
     with 4 (`python -m bench.kernel.lora_prefill --distinct 1 2 8 --m-programs 8 16 32`)."""
     tiles = -(-rows // config.block_m)
     return min(PREFILL_M_PROGRAMS[-1], max(PREFILL_M_PROGRAMS[0], _next_pow2(-(-tiles // 4))))

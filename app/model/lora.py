@@ -7,7 +7,7 @@ where A_s and BT_s are slot s's rank rows, gathered from its pages of the shared
 page table (prefetch/layout.py), by the segmented kernels of app/model/kernels/lora.py: tokens are grouped into
 segments by slot once per step (`LoRAMetadata`), and each segment's adapter is read once, so the cost
 grows with the distinct adapters in the batch, not with the slot count. CUDA runs the Triton pair
-(capturable in a CUDA graph); CPU runs the same sums in plain torch (`host_lora`).
+(capturable in a CUDA graph); CPU runs the same sums in plain torch (`kernels.host_lora`).
 """
 
 from __future__ import annotations
@@ -36,24 +36,7 @@ class LoRAMetadata:
     seg_starts: torch.Tensor  # [S_cap + 1] int32
     seg_slots: torch.Tensor  # [S_cap] int32, -1: no adapter
     config: kernels.KernelConfig | None = None  # the kernels' tiles; None: picked by T_cap (`pick_config`)
-    host: tuple[HostSegment, ...] | None = None  # the CPU path's segments, read at the step's first LoRA call
-
-
-@dataclass(frozen=True)
-class HostSegment:
-    """One adapter segment of a step on the CPU path, with what the side tables say of its slot. Read once a step
-    (`LoRAContext.host_segments`), not in each of the step's LoRA calls, as `lora_reference` reads them: in the
-    tiny models of the CPU path those reads cost more than the matmuls."""
-
-    rows: slice | torch.Tensor  # the segment's tokens: a slice where they are consecutive, else their indices
-    rank: int
-    pages: torch.Tensor  # [max_pages] int64: the slot's page table row
-    scales: tuple[float, ...]  # the slot's scale for each module
-
-
-def rank_rows(W: torch.Tensor, segment: HostSegment) -> torch.Tensor:
-    """The segment's adapter's [rank, features] rows of W [num_pages, P, features]."""
-    return W.index_select(0, segment.pages[: -(-segment.rank // W.shape[1])]).flatten(0, 1)[: segment.rank]
+    host: tuple[kernels.HostSegment, ...] | None = None  # the CPU path's segments, read at its first LoRA call
 
 
 def segments(token_slots: list[int], t_cap: int, s_cap: int | None,
@@ -142,8 +125,9 @@ class LoRAContext:
         if not self.use_kernel:
             y = base_linear(x, weight, bias, quantized)
             if meta.host is None:
-                meta.host = self.host_segments(meta)
-            host_lora(y.view(-1, y.shape[-1]), x2, group, meta.host)
+                meta.host = kernels.host_segments(meta.token_order, meta.seg_starts, meta.seg_slots, *tables[:2],
+                                                  self.scales)
+            kernels.host_lora(y.view(-1, y.shape[-1]), x2, group, meta.host)
             return y
         if not self.overlap:
             y = base_linear(x, weight, bias, quantized)
@@ -159,39 +143,6 @@ class LoRAContext:
         kernels.lora_expand(y.view(-1, y.shape[-1]), group, self.scales, *tables, self.workspace, splits,
                             meta.config)
         return y
-
-    def host_segments(self, meta: LoRAMetadata) -> tuple[HostSegment, ...]:
-        """The step's adapter segments with their slots' ranks, pages and scales, for `host_lora`."""
-        order, starts, slots = meta.token_order.tolist(), meta.seg_starts.tolist(), meta.seg_slots.tolist()
-        out = []
-        for i, slot in enumerate(slots):
-            lo, hi = starts[i], starts[i + 1]
-            if slot < 0 or hi <= lo:
-                continue
-            tokens = order[lo:hi]  # increasing (`segments`): consecutive where the ends are hi - lo - 1 apart
-            rows = slice(tokens[0], tokens[-1] + 1) if tokens[-1] - tokens[0] == hi - lo - 1 else \
-                torch.tensor(tokens, dtype=torch.long, device=self.slot_ranks.device)
-            out.append(HostSegment(rows, int(self.slot_ranks[slot]), self.page_table[slot].long(),
-                                   tuple(self.scales[:, slot].tolist())))
-        return tuple(out)
-
-
-def host_lora(y: torch.Tensor, x: torch.Tensor, group: kernels.Group, segments: tuple[HostSegment, ...]) -> None:
-    """`kernels.lora_group_reference` over segments read once a step: the same sums, in float32, in the same order."""
-    for A, BT, module, column in zip(group.A, group.BT, group.modules, group.columns):
-        out = y[:, column: column + BT.shape[2]]
-        for segment in segments:
-            xa = x[segment.rows].float() @ rank_rows(A, segment).float().T  # [n, rank]
-            delta = (xa @ rank_rows(BT, segment).float()) * segment.scales[module]  # [n, out]
-            if out.dtype == torch.float32:  # no rounding to undo: add in place (rows are distinct)
-                if isinstance(segment.rows, slice):
-                    out[segment.rows] += delta
-                else:
-                    out.index_add_(0, segment.rows, delta)
-            elif isinstance(segment.rows, slice):
-                out[segment.rows] = (out[segment.rows].float() + delta).to(out.dtype)
-            else:
-                out.index_copy_(0, segment.rows, (out.index_select(0, segment.rows).float() + delta).to(out.dtype))
 
 
 _GROUPS: weakref.WeakValueDictionary[int, LinearGroup] = weakref.WeakValueDictionary()  # handle -> group

@@ -1,7 +1,7 @@
 """Segmented multi-adapter LoRA (the SGMV idea of Punica) over paged adapter memory: a shrink and an
-expand kernel in Triton, next to `lora_reference`, the plain-torch loop they replace (which the engine's CPU
-path, `host_lora` in app/model/lora.py, computes alike over segments it reads once a step). This module holds their launch configs and launchers; the Triton programs themselves are in
-app/model/kernels/lora_triton.py.
+expand kernel in Triton, next to `lora_reference`, the plain-torch loop they replace, and `host_lora`, which
+computes that loop alike over segments read once a step (the engine's CPU path). This module holds their launch
+configs and launchers; the Triton programs themselves are in app/model/kernels/lora_triton.py.
 
     # Per-step metadata, shared by every layer of one forward:
     #   token_order [T_cap] int32: token indices grouped by segment (a permutation of the real tokens, padded)
@@ -78,6 +78,57 @@ def lora_reference(y, x, A, BT, scales, slot_ranks, page_table, token_order, seg
         xa = x.index_select(0, rows).float() @ gather_rows(A, page_table, slot, rank).float().T  # [n, rank]
         delta = (xa @ gather_rows(BT, page_table, slot, rank).float()) * scale_of[slot]  # [n, out]
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+
+
+@dataclass(frozen=True)
+class HostSegment:
+    """One adapter segment of a step on the CPU path, with what the side tables say of its slot. Read once a step
+    (`host_segments`), not in each of the step's LoRA calls, as `lora_reference` reads them: in the
+    tiny models of the CPU path those reads cost more than the matmuls."""
+
+    rows: slice | torch.Tensor  # the segment's tokens: a slice where they are consecutive, else their indices
+    rank: int
+    pages: torch.Tensor  # [max_pages] int64: the slot's page table row
+    scales: tuple[float, ...]  # the slot's scale for each module
+
+
+def rank_rows(W: torch.Tensor, segment: HostSegment) -> torch.Tensor:
+    """The segment's adapter's [rank, features] rows of W [num_pages, P, features]."""
+    return W.index_select(0, segment.pages[: -(-segment.rank // W.shape[1])]).flatten(0, 1)[: segment.rank]
+
+
+def host_segments(token_order, seg_starts, seg_slots, slot_ranks, page_table, scales) -> tuple[HostSegment, ...]:
+    """The step's adapter segments with their slots' ranks, pages and scales, for `host_lora`. scales: [n_modules,
+    num_slots]."""
+    order, starts, slots = token_order.tolist(), seg_starts.tolist(), seg_slots.tolist()
+    out = []
+    for i, slot in enumerate(slots):
+        lo, hi = starts[i], starts[i + 1]
+        if slot < 0 or hi <= lo:
+            continue
+        tokens = order[lo:hi]  # increasing (lora.py's `segments`): consecutive where its ends are hi - lo - 1 apart
+        rows = slice(tokens[0], tokens[-1] + 1) if tokens[-1] - tokens[0] == hi - lo - 1 else \
+            torch.tensor(tokens, dtype=torch.long, device=slot_ranks.device)
+        out.append(HostSegment(rows, int(slot_ranks[slot]), page_table[slot].long(), tuple(scales[:, slot].tolist())))
+    return tuple(out)
+
+
+def host_lora(y: torch.Tensor, x: torch.Tensor, group: Group, segments: tuple[HostSegment, ...]) -> None:
+    """`lora_group_reference` over segments read once a step: the same sums, in float32, in the same order."""
+    for A, BT, module, column in zip(group.A, group.BT, group.modules, group.columns):
+        out = y[:, column: column + BT.shape[2]]
+        for segment in segments:
+            xa = x[segment.rows].float() @ rank_rows(A, segment).float().T  # [n, rank]
+            delta = (xa @ rank_rows(BT, segment).float()) * segment.scales[module]  # [n, out]
+            if out.dtype == torch.float32:  # no rounding to undo: add in place (rows are distinct)
+                if isinstance(segment.rows, slice):
+                    out[segment.rows] += delta
+                else:
+                    out.index_add_(0, segment.rows, delta)
+            elif isinstance(segment.rows, slice):
+                out[segment.rows] = (out[segment.rows].float() + delta).to(out.dtype)
+            else:
+                out.index_copy_(0, segment.rows, (out.index_select(0, segment.rows).float() + delta).to(out.dtype))
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.model.kernels.lora import Group, gather_rows, lora_group_reference
+from app.model.kernels.lora import gather_rows
 from app.model.lora import (MAX_RESIDENT_ADAPTERS, LinearGroup, LoRAContext, LoRALinear, LoRAMetadata, LoRASlots,
-                            host_lora, pool_size, segments)
+                            pool_size, segments)
 from app.adapters.targets import target_shapes
 from app.model.fp8 import quantize_linears
 from prefetch.layout import PageLayout
@@ -64,32 +64,6 @@ def test_wrapped_linear_equals_the_per_token_loop_with_mixed_ranks():
             if s >= 0:
                 expected = expected + ctx.scales[0, s] * (x[0, i] @ dense_A[s].T) @ dense_BT[s]
             torch.testing.assert_close(got[i], expected, rtol=1e-4, atol=1e-4)  # float32 summation order
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_path_equals_the_reference_loop_for_a_group(dtype):
-    """`host_lora` (segments read once a step) adds what `lora_group_reference` adds, to the last bit: two members
-    on their columns, ranks over one page and under it, a slot's tokens apart and together."""
-    gen = torch.Generator().manual_seed(1)
-    page_rows, n_in, widths = 4, 8, (6, 10)
-    ctx = LoRAContext(3, 2, 3, use_kernel=False, device=torch.device("cpu"), workspace=None)
-    pool = torch.randn(9, page_rows, n_in + sum(widths), generator=gen).to(dtype)
-    A = [pool[..., :n_in], pool[..., :n_in]]
-    BT = [pool[..., n_in: n_in + widths[0]], pool[..., n_in + widths[0]:]]
-    ctx.page_table[:] = torch.tensor([[4, 0, 0], [7, 2, 5], [1, 8, 0]])
-    ctx.slot_ranks[:] = torch.tensor([3, 11, 6])
-    ctx.scales[:] = torch.tensor([[0.5, 2.0, 1.5], [1.0, 0.25, 3.0]])
-    group = Group(tuple(A), tuple(BT), (0, 1), (0, widths[0]))
-    order, starts, seg_slots = segments([1, 0, 1, -1, 2, 2, 1], 7, None)
-    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    meta = LoRAMetadata(t(order), t(starts), t(seg_slots))
-    x = torch.randn(7, n_in, generator=gen).to(dtype)
-    y = torch.randn(7, sum(widths), generator=gen).to(dtype)
-    expected = y.clone()
-    lora_group_reference(expected, x, group, ctx.scales, ctx.slot_ranks, ctx.page_table, *map(t, (order, starts,
-                                                                                                    seg_slots)))
-    host_lora(y, x, group, ctx.host_segments(meta))
-    assert torch.equal(y, expected)
 
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

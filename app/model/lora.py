@@ -125,8 +125,8 @@ class LoRAContext:
         if not self.use_kernel:
             y = base_linear(x, weight, bias, quantized)
             if meta.host is None:
-                meta.host = kernels.host_segments(meta.token_order, meta.seg_starts, meta.seg_slots, *tables[:2],
-                                                  self.scales)
+                meta.host = kernels.host_segments(meta.token_order, meta.seg_starts, meta.seg_slots, self.slot_ranks,
+                                                  self.page_table, self.scales)
             kernels.host_lora(y.view(-1, y.shape[-1]), x2, group, meta.host)
             return y
         if not self.overlap:

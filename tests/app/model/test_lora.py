@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.model.kernels.lora import gather_rows
+from app.model.kernels.lora import Group, gather_rows, host_lora, host_segments, lora_group_reference
 from app.model.lora import (MAX_RESIDENT_ADAPTERS, LinearGroup, LoRAContext, LoRALinear, LoRAMetadata, LoRASlots,
                             pool_size, segments)
 from app.adapters.targets import target_shapes
@@ -64,6 +64,28 @@ def test_wrapped_linear_equals_the_per_token_loop_with_mixed_ranks():
             if s >= 0:
                 expected = expected + ctx.scales[0, s] * (x[0, i] @ dense_A[s].T) @ dense_BT[s]
             torch.testing.assert_close(got[i], expected, rtol=1e-4, atol=1e-4)  # float32 summation order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_path_equals_the_reference_loop_for_a_group(dtype):
+    """`host_lora` (segments read once a step) adds what `lora_group_reference` adds, to the last bit: two members
+    on their columns, ranks over one page and under it, a slot's tokens apart and together."""
+    gen = torch.Generator().manual_seed(1)
+    page_rows, n_in, widths = 4, 8, (6, 10)
+    pool = torch.randn(9, page_rows, n_in + sum(widths), generator=gen).to(dtype)
+    group = Group((pool[..., :n_in],) * 2, (pool[..., n_in: n_in + widths[0]], pool[..., n_in + widths[0]:]), (0, 1),
+                  (0, widths[0]))
+    page_table = torch.tensor([[4, 0, 0], [7, 2, 5], [1, 8, 0]], dtype=torch.int32)
+    slot_ranks = torch.tensor([3, 11, 6], dtype=torch.int32)
+    scales = torch.tensor([[0.5, 2.0, 1.5], [1.0, 0.25, 3.0]])  # [module, slot]
+    # tokens' slots [1, 0, 1, -1, 2, 2, 1]: token_order, seg_starts, seg_slots as `segments` gives
+    tables = [torch.tensor(v, dtype=torch.int32) for v in ([0, 2, 6, 1, 4, 5, 0], [0, 3, 4, 6], [1, 0, 2])]
+    x = torch.randn(7, n_in, generator=gen).to(dtype)
+    y = torch.randn(7, sum(widths), generator=gen).to(dtype)
+    expected = y.clone()
+    lora_group_reference(expected, x, group, scales, slot_ranks, page_table, *tables)
+    host_lora(y, x, group, host_segments(*tables, slot_ranks, page_table, scales))
+    assert torch.equal(y, expected)
 
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

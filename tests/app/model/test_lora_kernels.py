@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from app.model.kernels.lora import (DECODE, PREFILL, PREFILL_M_PROGRAMS, Group, KernelConfig, LoRAWorkspace,
-                                    gather_rows, host_lora, host_segments, lora_group_reference, lora_reference,
-                                    prefill_m_programs, prefill_rows)
+                                    gather_rows, lora_group_reference, lora_reference, prefill_m_programs,
+                                    prefill_rows)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: xa is rounded to bf16 before the expand
@@ -309,28 +309,6 @@ def test_decode_rows_of_one_adapter_in_tile_sized_segments(shape):
     """A decode bucket of 128 rows, 120 on one adapter: the graphs give it segments of one M tile each."""
     segments = [(DECODE.block_m, 5)] * 7 + [(8, 5), (8, -1)]
     run_kernels(torch.bfloat16, *shape, 16, segments, t_cap=128, s_cap=128, seed=11, config=DECODE)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_path_equals_the_reference_loop_for_a_group(dtype):
-    """`host_lora` (segments read once a step) adds what `lora_group_reference` adds, to the last bit: two members
-    on their columns, ranks over one page and under it, a slot's tokens apart and together."""
-    gen = torch.Generator().manual_seed(1)
-    page_rows, n_in, widths = 4, 8, (6, 10)
-    pool = torch.randn(9, page_rows, n_in + sum(widths), generator=gen).to(dtype)
-    group = Group((pool[..., :n_in],) * 2, (pool[..., n_in: n_in + widths[0]], pool[..., n_in + widths[0]:]), (0, 1),
-                  (0, widths[0]))
-    page_table = torch.tensor([[4, 0, 0], [7, 2, 5], [1, 8, 0]], dtype=torch.int32)
-    slot_ranks = torch.tensor([3, 11, 6], dtype=torch.int32)
-    scales = torch.tensor([[0.5, 2.0, 1.5], [1.0, 0.25, 3.0]])  # [module, slot]
-    # tokens' slots [1, 0, 1, -1, 2, 2, 1]: token_order, seg_starts, seg_slots as app/model/lora.py's segments gives
-    tables = [torch.tensor(v, dtype=torch.int32) for v in ([0, 2, 6, 1, 4, 5, 0], [0, 3, 4, 6], [1, 0, 2])]
-    x = torch.randn(7, n_in, generator=gen).to(dtype)
-    y = torch.randn(7, sum(widths), generator=gen).to(dtype)
-    expected = y.clone()
-    lora_group_reference(expected, x, group, scales, slot_ranks, page_table, *tables)
-    host_lora(y, x, group, host_segments(*tables, slot_ranks, page_table, scales))
-    assert torch.equal(y, expected)
 
 
 def test_programs_along_m_grow_with_the_longest_segment():

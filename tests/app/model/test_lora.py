@@ -1,5 +1,5 @@
-"""The LoRA layer over paged device memory: token segments, wrapped linears against the per-row loop, the
-slot writes, and how the pool is sized."""
+"""The LoRA layer over paged device memory: token segments, wrapped linears against the per-row loop, the CPU
+path against the reference loop, the slot writes, and how the pool is sized."""
 
 from types import SimpleNamespace
 

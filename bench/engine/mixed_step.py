@@ -38,6 +38,9 @@ def main():
     parser.add_argument("--decode-t-max", type=int, default=lora_kernels.DECODE_T_MAX,
                         help="eager steps of up to this many tokens run the LoRA kernels' decode config")
     parser.add_argument("--kernels", action="store_true", help="also a torch.profiler table of the step's kernels")
+    parser.add_argument("--m-programs", nargs="+", default=[",".join(map(str, lora_kernels.PREFILL_M_PROGRAMS))],
+                        help="the LoRA kernels' choices of programs along M in eager steps (`prefill_m_programs`), "
+                             "one run of every --distinct per comma-separated set: 4,8,16 4")
     args = parser.parse_args()
     n_prompts, prompt_len = map(int, args.prefill.split("x"))
     lora_kernels.DECODE_T_MAX = args.decode_t_max
@@ -56,12 +59,14 @@ def main():
         blocks.allocate(s.request_id, prompt_len)
     plan = StepPlan(decode=[Chunk(s, args.context, 1) for s in decode],
                     prefill=[Chunk(s, 0, prompt_len) for s in prompts])
-    for distinct in args.distinct:
-        for i, s in enumerate(decode):
-            s.slot = i % distinct if distinct else None
-        for i, s in enumerate(prompts):
-            s.slot = i % distinct if distinct else None
-        measure(runner, plan, args, distinct)
+    for choices in args.m_programs:
+        lora_kernels.PREFILL_M_PROGRAMS = tuple(int(m) for m in choices.split(","))
+        for distinct in args.distinct:
+            for i, s in enumerate(decode):
+                s.slot = i % distinct if distinct else None
+            for i, s in enumerate(prompts):
+                s.slot = i % distinct if distinct else None
+            measure(runner, plan, args, distinct)
 
 
 def measure(runner, plan: StepPlan, args, distinct: int) -> None:
@@ -86,7 +91,8 @@ def measure(runner, plan: StepPlan, args, distinct: int) -> None:
     runner.execute(plan)
     torch.cuda.synchronize()
     mode = "graph" if runner.mixed_replays > replays else "eager"
-    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {distinct} adapters, {mode}: wall "
+    print(f"mixed step: {args.decode} decode rows + {args.prefill} prefill, {distinct} adapters, {mode}, programs "
+          f"along M {lora_kernels.PREFILL_M_PROGRAMS}: wall "
           f"{wall:.1f} ms, GPU {gpu:.1f} ms, host launch {sorted(launch)[2]:.1f} ms", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()

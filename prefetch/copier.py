@@ -15,6 +15,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from prefetch.host_cache import HostAdapter
+from prefetch.threads import one_cpu_thread
 
 # write_slot(slot, device pages, host page views, scales, rank) writes a packed adapter into its pages
 # and the slot's side tables.
@@ -108,7 +109,7 @@ class ThreadCopier:
 
     def __init__(self, write_slot: WriteSlot):
         self._write_slot = write_slot
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slot-copy")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slot-copy", initializer=one_cpu_thread)
 
     def start(self, slot: int, pages: Sequence[int], host: HostAdapter) -> ThreadTransfer:
         def copy() -> float:

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from prefetch.arena import HostArena
+from prefetch.threads import one_cpu_thread
 
 # read_fn(adapter_id, page views) packs the adapter into the views; returns (scales [n_modules], rank).
 ReadFn = Callable[[str, Sequence[torch.Tensor]], tuple[torch.Tensor, int]]
@@ -45,7 +46,8 @@ class HostCache:
         self.arena = arena
         self._read_fn, self._pages_of = read_fn, pages_of
         self.workers = workers
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-read")
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-read",
+                                            initializer=one_cpu_thread)
         self._entries: OrderedDict[str, HostAdapter] = OrderedDict()
         self._reads: dict[str, Future[HostAdapter]] = {}  # started or deferred
         self._reading: dict[str, tuple[int, ...]] = {}  # started reads -> their pages

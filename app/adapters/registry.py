@@ -46,6 +46,7 @@ from app.errors import (
     AdapterStoreUnavailable,
     AdapterTooLarge,
 )
+from prefetch.threads import one_cpu_thread
 
 DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 _MAX_CONFIG_BYTES = 1024 * 1024
@@ -102,7 +103,8 @@ class AdapterRegistry:
         self._roots = [str(root) for root in self.roots] + remote_roots  # for messages
         self.fetcher = RemoteFetcher(self.store, cache, fetch_workers, self._validate_files) if self.store else None
         self._validation_reads = ThreadPoolExecutor(max_workers=4 * VALIDATIONS_AT_ONCE,
-                                                    thread_name_prefix="adapter-validate") if self.store else None
+                                                    thread_name_prefix="adapter-validate",
+                                                    initializer=one_cpu_thread) if self.store else None
         self.max_rank = max_rank
         self.max_adapter_bytes = max_adapter_bytes
         # Only the base's own targets: an adapter for another architecture's names is refused by name.

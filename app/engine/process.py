@@ -28,6 +28,7 @@ from app.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine, EngineStream
 from app.engine.config import EngineConfig
 from app.errors import EngineUnavailable, InternalError, picklable
 from app.engine.request import RequestOutput
+from prefetch.threads import one_cpu_thread
 from routing.wire import Hint
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def _child_main(config: EngineConfig, conn) -> None:
         return
     loop = _ChildLoop(engine, send)
     # Asides are mostly adapter validations, which wait on disks and stores: a replica syncs up to 16 at once.
-    aside = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-aside")
+    aside = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-aside", initializer=one_cpu_thread)
 
     def reply(call_id: int, future: Future) -> None:
         error = future.exception()

@@ -52,6 +52,7 @@ from app.model.fp8 import quantize_linears
 from app.model.fp8_checkpoint import fp8_scheme
 from app.model.tensor_parallel import ShardPlan, TensorParallel, check_tensor_parallel, load_shard
 from prefetch.layout import PageLayout
+from prefetch.threads import one_cpu_thread
 
 # A collective inside a step that waits this long for a rank fails instead of hanging (a worker that died
 # mid-step); the workers' wait for the next step has no such limit.
@@ -251,7 +252,7 @@ class ShardLoads:
                  dtype: torch.dtype, read: Callable[[AdapterSpec], StoredAdapter] = read_adapter):
         self.plan, self.layout, self.lora, self.device, self.dtype = plan, layout, lora, device, dtype
         self.read = read  # the worker's registry's: a remote adapter through the node cache
-        self.reads = ThreadPoolExecutor(2, thread_name_prefix="shard-read")
+        self.reads = ThreadPoolExecutor(2, thread_name_prefix="shard-read", initializer=one_cpu_thread)
         self.pending: dict[int, tuple[Load, Future]] = {}  # slot -> its newest load not yet written
         self.failed: dict[int, Exception] = {}  # slot -> why its newest load could not be read
 

@@ -1,0 +1,45 @@
+"""Helper threads beside the engine (adapter reads, slot copies, validations) run torch's CPU ops on one thread.
+
+torch runs a CPU op over a large tensor (a copy, a zero fill) on an OpenMP team of torch.get_num_threads() threads,
+and a thread that runs such an op gets a team of its own, whose threads outlive the op. When more threads belong to
+teams than the machine has cores, GNU OpenMP (torch's on Linux) lets idle team threads sleep at once instead of
+spinning a while, and each small parallel op of the engine then waits for its team to wake: after one adapter load
+on a helper thread, every later CPU step took about twice as long (SmolLM2-135M over its two adapters on 2 cores:
+435 ms a step against 180). A helper's ops are copies beside the engine's work; one thread does them.
+
+torch has no per-thread team size (torch.set_num_threads also sets the size that every thread started later begins
+with, the engine's included), so `one_cpu_thread` calls OpenMP's own omp_set_num_threads, which sets the calling
+thread's alone, on the runtime torch loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime loaded in this process (torch's), or None where none is found (or no /proc)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(OPENMP_LIBRARIES):
+            return ctypes.CDLL(path)
+    return None
+
+
+def one_cpu_thread() -> None:
+    """Make this thread's torch CPU ops run on one thread: a ThreadPoolExecutor initializer for helper threads."""
+    torch.get_num_threads()  # torch sizes a thread's team at its first parallel op; size it now, then override
+    library = _openmp()
+    if library is not None:
+        library.omp_set_num_threads(1)

@@ -23,6 +23,7 @@ from app.adapters.remote import ObjectChanged, RemoteStore
 from app.adapters.safetensors_file import WEIGHTS_NAME
 from app.adapters.spec import AdapterSpec, RemoteFiles, StoredAdapter, read_adapter
 from app.errors import AdapterInvalid, AdapterLoadFailed
+from prefetch.threads import one_cpu_thread
 
 log = logging.getLogger(__name__)
 FAILED_FETCH_PAUSE_S = 5.0  # after a failed fetch, how long fetches ahead leave that adapter to its reads
@@ -123,6 +124,8 @@ class RemoteFetcher:
             self._closed = True
 
     def _fetch_one(self, spec: AdapterSpec, key: CacheKey, is_urgent: bool) -> None:
+        one_cpu_thread()  # the download's finiteness check runs torch ops beside the engine (prefetch/threads.py)
+
         def downloaded(nbytes: int) -> None:  # before the entry is visible: no read can come first
             with self._lock:
                 self._ahead["fetched_ahead"] += 1

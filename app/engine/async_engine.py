@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from operator import methodcaller
 from typing import AsyncIterator, Callable
@@ -24,6 +24,7 @@ from app.engine.workers import WorkerLost
 from app.errors import EngineUnavailable, ServingError
 from app.engine.request import RequestOutput
 from app.sampling.params import SamplingParams
+from prefetch.threads import one_cpu_thread
 from routing.wire import Hint
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class AsyncEngine(EngineStreams):
         self._stepped_at: float | None = None  # engine thread only: when the last step ended, requests remaining
         self._stepped_cpu = 0.0  # engine thread only: the thread's CPU time then
         self.lost: WorkerLost | None = None  # set when a tensor-parallel worker ended and the loop with it
+        self._aside = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-aside", initializer=one_cpu_thread)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -137,7 +139,7 @@ class AsyncEngine(EngineStreams):
     async def call_aside(self, fn: Callable[[LLMEngine], object]):
         """Run fn(engine) on a worker thread, beside the engine loop (thread-safe work such as validating
         and registering an adapter, which reads files)."""
-        return await asyncio.to_thread(fn, self.engine)
+        return await asyncio.get_running_loop().run_in_executor(self._aside, fn, self.engine)
 
     def hint(self, hints: list[Hint]) -> None:
         def hint(engine: LLMEngine) -> None:
@@ -152,6 +154,7 @@ class AsyncEngine(EngineStreams):
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self._aside.shutdown(wait=False)
         self.engine.shutdown()
 
     async def _submit(self, prompt, adapter_id, params, request_id, hint_id=None) -> None:

@@ -8,38 +8,16 @@ count, the CPU engine served 60.7 output tok/s where it serves 143.8 (2 cores, d
 helper's ops are copies beside the engine's work; one thread does them.
 
 torch has no per-thread team size (torch.set_num_threads also sets the size that every thread started later begins
-with, the engine's included), so `one_cpu_thread` calls OpenMP's own omp_set_num_threads, which sets the calling
-thread's alone, on the runtime torch loaded.
+with, the engine's included); OpenMP's own omp_set_num_threads, which threadpoolctl calls, sets the calling thread's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-
 import torch
-
-OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")
-
-
-@functools.cache
-def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime loaded in this process (torch's), or None where none is found (or no /proc)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if line.count(" ") >= 5 and "/" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith(OPENMP_LIBRARIES):
-            return ctypes.CDLL(path)
-    return None
+from threadpoolctl import threadpool_limits
 
 
 def one_cpu_thread() -> None:
     """Make this thread's torch CPU ops run on one thread: a ThreadPoolExecutor initializer for helper threads."""
     torch.get_num_threads()  # torch sizes a thread's team at its first parallel op; size it now, then override
-    library = _openmp()
-    if library is not None:
-        library.omp_set_num_threads(1)
+    threadpool_limits(1, user_api="openmp")
